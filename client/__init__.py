@@ -1,0 +1,55 @@
+"""escrow_client: hand PTY masters to escrowd and take them back (a blocking API)."""
+
+from .client import Custody, EscrowClient, ReclaimReport, Retrieved
+from .errors import (
+    AckLate,
+    BadRequest,
+    Busy,
+    CustodyHeld,
+    DrainStopTimeout,
+    EscrowConfigError,
+    EscrowError,
+    Expired,
+    Forbidden,
+    HandedOff,
+    HolderUnavailable,
+    HolderUnresponsive,
+    LimitReached,
+    NotATerminal,
+    ProtocolViolation,
+    Released,
+    SessionExists,
+    SessionUnknown,
+    UnsupportedVersion,
+)
+from .protocol import HolderStatus, SessionInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AckLate",
+    "BadRequest",
+    "Busy",
+    "Custody",
+    "CustodyHeld",
+    "DrainStopTimeout",
+    "EscrowClient",
+    "EscrowConfigError",
+    "EscrowError",
+    "Expired",
+    "Forbidden",
+    "HandedOff",
+    "HolderStatus",
+    "HolderUnavailable",
+    "HolderUnresponsive",
+    "LimitReached",
+    "NotATerminal",
+    "ProtocolViolation",
+    "ReclaimReport",
+    "Released",
+    "Retrieved",
+    "SessionExists",
+    "SessionInfo",
+    "SessionUnknown",
+    "UnsupportedVersion",
+]

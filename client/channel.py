@@ -1,0 +1,133 @@
+"""One blocking connection to the holder: connect, hello/welcome, framed calls.
+
+Everything a call can fail with is mapped to the client's exceptions here, once:
+nothing listening is `HolderUnavailable`; a deadline that passes is `HolderUnresponsive`;
+an `error` answer is the exception for its code; anything that is not the protocol is
+`ProtocolViolation`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+
+from . import errors, protocol
+from .fdpass import close_fds, recv_frame, send_frame
+from .platform import harden_socket
+
+# A response may carry a whole replay ring; requests stay under the holder's 1 MiB.
+MAX_RESPONSE_BYTES = 256 << 20
+
+
+class Deadline:
+    """A point in time that several calls share."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+class Channel:
+    """A connected, greeted socket. Resource handling: owns its socket (close-on-exec, as
+    every Python socket is) and closes it in `close()`; fds received belong to the caller."""
+
+    def __init__(self, socket_path: str, hello: protocol.Hello, deadline: Deadline) -> None:
+        self.socket_path = socket_path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            harden_socket(self.sock)
+            self._arm(deadline)
+            try:
+                self.sock.connect(socket_path)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                raise errors.HolderUnavailable(
+                    f"no holder is listening on {socket_path} ({exc.strerror})"
+                ) from None
+            except TimeoutError:
+                raise errors.HolderUnresponsive(
+                    f"the holder on {socket_path} did not accept in time"
+                ) from None
+            reply, _ = self.call(hello, deadline)
+            if not isinstance(reply, protocol.Welcome):
+                raise errors.ProtocolViolation(f"expected welcome, got {type(reply).__name__}")
+            self.welcome = reply
+        except BaseException:
+            self.close()
+            raise
+
+    def _arm(self, deadline: Deadline) -> None:
+        left = deadline.remaining()
+        if left <= 0:
+            raise errors.HolderUnresponsive(f"deadline passed talking to {self.socket_path}")
+        self.sock.settimeout(left)
+
+    def send(self, message: protocol.Message, deadline: Deadline, fd: int | None = None) -> None:
+        self._arm(deadline)
+        try:
+            send_frame(self.sock, protocol.encode(message), fd)
+        except TimeoutError:
+            raise errors.HolderUnresponsive(
+                f"the holder on {self.socket_path} did not take a request in time"
+            ) from None
+        except OSError as exc:
+            raise self._gone(exc) from None
+
+    def receive(self, deadline: Deadline) -> tuple[protocol.Response, list[int]]:
+        """The next message, with the fds it carried. An `error` answer is raised."""
+        self._arm(deadline)
+        try:
+            body, fds = recv_frame(self.sock, MAX_RESPONSE_BYTES)
+        except TimeoutError:
+            raise errors.HolderUnresponsive(
+                f"the holder on {self.socket_path} did not answer in time"
+            ) from None
+        except EOFError:
+            raise errors.HolderUnavailable(
+                f"the holder on {self.socket_path} closed the connection"
+            ) from None
+        except protocol.ProtocolError as exc:
+            raise errors.ProtocolViolation(f"bad frame from the holder: {exc}") from None
+        except OSError as exc:
+            raise self._gone(exc) from None
+        try:
+            message = protocol.decode_response(body)
+            protocol.check_fds(message, len(fds))
+        except protocol.ProtocolError as exc:
+            close_fds(fds)
+            raise errors.ProtocolViolation(f"bad message from the holder: {exc}") from None
+        if isinstance(message, protocol.Error):
+            raise errors.from_code(message.code, message.message, message.id)
+        return message, fds
+
+    def call(
+        self, message: protocol.Message, deadline: Deadline, fd: int | None = None
+    ) -> tuple[protocol.Response, list[int]]:
+        self.send(message, deadline, fd)
+        return self.receive(deadline)
+
+    def finish(self, deadline: Deadline) -> None:
+        """Close our side and wait (within `deadline`) for the holder to close its side:
+        by then it has acted on our going away (custody ended, drains started)."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            self._arm(deadline)
+            while self.sock.recv(4096):
+                self._arm(deadline)
+        except (OSError, errors.HolderUnresponsive):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _gone(self, exc: OSError) -> errors.EscrowError:
+        if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+            return errors.HolderUnavailable(
+                f"the holder on {self.socket_path} closed the connection ({os.strerror(exc.errno)})"
+            )
+        return errors.HolderUnavailable(f"talking to the holder on {self.socket_path}: {exc}")

@@ -1,0 +1,328 @@
+"""`EscrowClient`: give PTY masters to escrowd, and take them back (DESIGN §8).
+
+A blocking API with deadlines, for any app; an async app calls it from a thread. It never
+imports an event loop.
+
+The retrieve side follows DESIGN §4 step 8: the client acks only once it holds the fd and
+has checked it is a terminal, never reads the fd before `done`, and if `done` never comes it
+asks again on a fresh connection instead of guessing. No path loses a session, and no path
+leaves two readers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from . import errors, protocol
+from .channel import Channel, Deadline
+from .fdpass import close_fds
+from .paths import resolve_socket_path
+
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_RECLAIM_DEADLINE = 8.0
+
+
+@dataclass
+class Retrieved:
+    """A session taken back. The caller owns `fd` (close-on-exec) and should write `replay`
+    to its screen before reading `fd`.
+
+    `confirmed` is True when the holder answered `done`. False means the holder could not
+    confirm it (it is gone, which took its copy with it, or it did not answer again): the
+    fd is the caller's, and `EscrowClient.list()` tells what the holder thinks later.
+    """
+
+    fd: int
+    session: protocol.SessionInfo
+    replay: bytes
+    dropped_bytes: int
+    handoff_id: str
+    confirmed: bool
+
+
+@dataclass
+class ReclaimReport:
+    retrieved: dict[str, Retrieved] = field(default_factory=dict)
+    failed: dict[str, errors.EscrowError] = field(default_factory=dict)
+
+
+# Custody sockets must not outlive the app in a forked child: if a child kept one open,
+# the holder would never see the app die and would never start draining.
+_custody_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def _close_custody_in_child() -> None:
+    for channel in list(_custody_channels):
+        channel.close()
+
+
+os.register_at_fork(after_in_child=_close_custody_in_child)
+
+
+class EscrowClient:
+    def __init__(
+        self,
+        owner: str,
+        socket_path: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        autostart: bool = False,
+        client_name: str = "",
+    ) -> None:
+        if not _valid_name(owner):
+            raise errors.EscrowConfigError(f"owner {owner!r} must match {protocol.NAME_PATTERN}")
+        if timeout <= 0:
+            raise errors.EscrowConfigError("timeout must be positive")
+        self.owner = owner
+        self.socket_path = resolve_socket_path(socket_path)
+        self.timeout = timeout
+        self.autostart = autostart
+        self.client_name = client_name or f"python pid={os.getpid()}"
+
+    # --- connections ----------------------------------------------------------------------
+
+    def _connect(self, deadline: Deadline) -> Channel:
+        hello = protocol.Hello(
+            version=protocol.VERSION, owner=self.owner, client=self.client_name,
+            timeout=self.timeout,
+        )
+        return Channel(self.socket_path, hello, deadline)
+
+    @contextmanager
+    def _channel(self, deadline: Deadline | None = None) -> Iterator[Channel]:
+        channel = self._connect(deadline or Deadline(self.timeout))
+        try:
+            yield channel
+        finally:
+            channel.close()
+
+    def _check_invariant(self, welcome: protocol.Welcome, budget: float) -> None:
+        """DESIGN §4 step 2: never start a retrieve we would give up on while the holder is
+        still legitimately stopping the drain and sending."""
+        holder_needs = welcome.drain_stop_budget + welcome.send_deadline
+        if budget <= holder_needs:
+            raise errors.EscrowConfigError(
+                f"client timeout {budget:.3g}s must exceed the holder's drain_stop_budget "
+                f"({welcome.drain_stop_budget:.3g}s) + send_deadline "
+                f"({welcome.send_deadline:.3g}s) = {holder_needs:.3g}s; raise the timeout"
+            )
+
+    # --- depositing -----------------------------------------------------------------------
+
+    def custody(self) -> Custody:
+        """A custody connection: sessions deposited through it stay `held` (the app is the
+        reader) until it closes, by `close()`, the end of a `with` block, or the process
+        dying. Then the holder starts draining them."""
+        return Custody(self, self._connect(Deadline(self.timeout)))
+
+    def hand_off(
+        self,
+        session_id: str,
+        fd: int,
+        child_pid: int | None = None,
+        label: str = "",
+        cols: int = 0,
+        rows: int = 0,
+        meta: dict[str, str] | None = None,
+    ) -> None:
+        """Deposit `fd` and end custody at once: when this returns, the holder is draining.
+        `fd` stays open in the caller, which must not read it again and should close it."""
+        with self.custody() as custody:
+            custody.deposit(session_id, fd, child_pid, label, cols, rows, meta)
+
+    # --- retrieving -----------------------------------------------------------------------
+
+    def retrieve(self, session_id: str) -> Retrieved:
+        """Take one session back. Raises CustodyHeld (no retry) if its app still holds it,
+        SessionUnknown, HandedOff, Released or Expired as the holder answers."""
+        deadline = Deadline(self.timeout)
+        channel = self._connect(deadline)
+        try:
+            return self._retrieve_on(channel, session_id, deadline)
+        finally:
+            channel.close()
+
+    def _retrieve_on(self, channel: Channel, sid: str, deadline: Deadline) -> Retrieved:
+        self._check_invariant(channel.welcome, min(self.timeout, deadline.remaining()))
+        reply, fds = channel.call(protocol.Retrieve(id=sid), deadline)
+        if not isinstance(reply, protocol.Handoff):
+            close_fds(fds)
+            raise errors.ProtocolViolation(f"expected handoff, got {type(reply).__name__}")
+        fd = fds[0]
+        if not os.isatty(fd):
+            # Do not ack: the holder keeps its copy and drains again when we hang up.
+            os.close(fd)
+            channel.close()
+            raise errors.ProtocolViolation(f"the holder handed off {sid} as a non-terminal")
+        result = Retrieved(fd, reply.session, reply.replay, reply.dropped_bytes,
+                           reply.handoff_id, confirmed=False)
+        try:
+            channel.send(protocol.Ack(id=sid, handoff_id=reply.handoff_id), deadline)
+            done, _ = channel.receive(deadline)
+        except errors.AckLate:
+            os.close(fd)  # the holder is draining it again: we must not become a second reader
+            raise
+        except (errors.HolderUnresponsive, errors.HolderUnavailable, errors.ProtocolViolation):
+            channel.close()
+            return self._resolve(result)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not isinstance(done, protocol.Done):
+            channel.close()
+            return self._resolve(result)
+        result.confirmed = True
+        return result
+
+    def _resolve(self, result: Retrieved) -> Retrieved:
+        """`done` never came: ask on a fresh connection who owns the fd (DESIGN §4 step 8).
+        We still hold our copy, unread."""
+        sid = result.session.id
+        deadline = Deadline(self.timeout)
+        while True:
+            try:
+                with self._channel(deadline) as channel:
+                    reply, _ = channel.call(protocol.List(), deadline)
+            except errors.HolderUnavailable:
+                return result  # the holder is gone and took its copy with it: ours
+            except errors.HolderUnresponsive:
+                return result  # cannot tell; the holder has our ack queued, if anything
+            assert isinstance(reply, protocol.Sessions)
+            info = next((s for s in reply.sessions if s.id == sid), None)
+            if info is None or info.state == "unknown":
+                return result
+            if info.state == "handed_off":
+                if info.handoff_id == result.handoff_id:
+                    result.confirmed = True
+                    return result
+                os.close(result.fd)  # somebody else's handoff, not ours
+                raise errors.HandedOff(f"session {sid} was handed off to another client", sid)
+            if info.state == "handing_off" and deadline.remaining() > 0:
+                time.sleep(0.02)  # the holder is still acting on our hang-up; ask again
+                continue
+            os.close(result.fd)  # the holder kept it (draining, exited): close our copy
+            raise errors.HolderUnresponsive(
+                f"handoff of {sid} was not confirmed; the session is still escrowed "
+                f"({info.state}): retrieve it again", sid,
+            )
+
+    def reclaim_all(self, deadline: float = DEFAULT_RECLAIM_DEADLINE) -> ReclaimReport:
+        """Retrieve every session of this owner under one shared deadline.
+
+        `custody_held` is retried while time is left (the old instance may still be
+        exiting); no retrieve starts with less than the holder's drain-stop budget plus
+        send deadline left. Sessions not retrieved stay escrowed and are in `failed`.
+        """
+        until = Deadline(deadline)
+        report = ReclaimReport()
+        channel: Channel | None = None
+        try:
+            channel = self._connect(until)
+            reply, _ = channel.call(protocol.List(), until)
+            assert isinstance(reply, protocol.Sessions)
+            pending = [s.id for s in reply.sessions if s.state in protocol.LIVE_STATES]
+            pause = 0.02
+            while pending:
+                retry: list[str] = []
+                for sid in pending:
+                    w = channel.welcome
+                    if until.remaining() <= w.drain_stop_budget + w.send_deadline:
+                        report.failed[sid] = errors.HolderUnresponsive(
+                            f"not enough of the reclaim deadline left to retrieve {sid}", sid)
+                        continue
+                    if channel is None or channel.sock.fileno() < 0:
+                        channel = self._connect(until)
+                    try:
+                        report.retrieved[sid] = self._retrieve_on(channel, sid, until)
+                    except (errors.CustodyHeld, errors.Busy) as exc:
+                        retry.append(sid)
+                        report.failed[sid] = exc
+                    except errors.EscrowError as exc:
+                        report.failed[sid] = exc
+                        if isinstance(exc, errors.HolderUnresponsive | errors.HolderUnavailable):
+                            channel.close()
+                    else:
+                        report.failed.pop(sid, None)
+                pending = retry
+                if pending:
+                    time.sleep(min(pause, max(0.0, until.remaining())))
+                    pause = min(pause * 2, 0.25)
+        finally:
+            if channel is not None:
+                channel.close()
+        return report
+
+    # --- asking -----------------------------------------------------------------------------
+
+    def list(self, all_owners: bool = False) -> list[protocol.SessionInfo]:
+        with self._channel() as channel:
+            reply, _ = channel.call(protocol.List(all_owners=all_owners), Deadline(self.timeout))
+        assert isinstance(reply, protocol.Sessions)
+        return reply.sessions
+
+    def status(self) -> protocol.HolderStatus:
+        with self._channel() as channel:
+            reply, _ = channel.call(protocol.Status(), Deadline(self.timeout))
+        assert isinstance(reply, protocol.HolderStatus)
+        return reply
+
+    def welcome(self) -> protocol.Welcome:
+        """The holder's handshake answer: its version, budgets and limits."""
+        with self._channel() as channel:
+            return channel.welcome
+
+    def release(self, session_id: str) -> None:
+        """Tell the holder to drop its copy of a session (the user closed it)."""
+        with self._channel() as channel:
+            channel.call(protocol.Release(id=session_id), Deadline(self.timeout))
+
+
+class Custody:
+    """A custodian connection. Resource handling: closing it (or the process dying) ends
+    custody of every session deposited through it; the holder starts draining them."""
+
+    def __init__(self, client: EscrowClient, channel: Channel) -> None:
+        self._client = client
+        self._channel = channel
+        _custody_channels.add(channel)
+
+    def deposit(
+        self,
+        session_id: str,
+        fd: int,
+        child_pid: int | None = None,
+        label: str = "",
+        cols: int = 0,
+        rows: int = 0,
+        meta: dict[str, str] | None = None,
+    ) -> None:
+        """Give the holder a duplicate of `fd` (a PTY master). The caller keeps reading its
+        own copy while this custody lasts; the holder does not touch it."""
+        message = protocol.Deposit(
+            id=session_id, label=label, child_pid=child_pid, cols=cols, rows=rows,
+            meta=meta or {},
+        )
+        self._channel.call(message, Deadline(self._client.timeout), fd=fd)
+
+    def release(self, session_id: str) -> None:
+        self._channel.call(protocol.Release(id=session_id), Deadline(self._client.timeout))
+
+    def close(self) -> None:
+        """End custody and wait until the holder is draining what it held."""
+        _custody_channels.discard(self._channel)
+        self._channel.finish(Deadline(self._client.timeout))
+
+    def __enter__(self) -> Custody:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _valid_name(name: str) -> bool:
+    return re.fullmatch(protocol.NAME_PATTERN.strip("^$"), name) is not None

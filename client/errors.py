@@ -1,0 +1,112 @@
+"""The client's exceptions. Each carries `code`: the protocol's error code where the holder
+answered one, or a client-side code (`unavailable`, `unresponsive`, `config`, `protocol`).
+
+Causes of `EscrowError`, by class:
+- answered by the holder: BadRequest, UnsupportedVersion, Forbidden, SessionUnknown,
+  SessionExists, NotATerminal, CustodyHeld, Busy, DrainStopTimeout, LimitReached, HandedOff,
+  Released, Expired, AckLate;
+- found by the client: HolderUnavailable (nothing is listening), HolderUnresponsive (a call
+  timed out, or the circuit breaker is open), EscrowConfigError (the timeout invariant, or a
+  bad argument), ProtocolViolation (the holder sent something that is not the protocol).
+"""
+
+from __future__ import annotations
+
+
+class EscrowError(Exception):
+    code = "error"
+
+    def __init__(self, message: str, session_id: str | None = None) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+
+
+class BadRequest(EscrowError):
+    code = "bad_request"
+
+
+class UnsupportedVersion(EscrowError):
+    code = "unsupported_version"
+
+
+class Forbidden(EscrowError):
+    code = "forbidden"
+
+
+class SessionUnknown(EscrowError):
+    code = "unknown"
+
+
+class SessionExists(EscrowError):
+    code = "exists"
+
+
+class NotATerminal(EscrowError):
+    code = "not_a_terminal"
+
+
+class CustodyHeld(EscrowError):
+    code = "custody_held"
+
+
+class Busy(EscrowError):
+    code = "busy"
+
+
+class DrainStopTimeout(EscrowError):
+    code = "drain_stop_timeout"
+
+
+class LimitReached(EscrowError):
+    code = "limit"
+
+
+class HandedOff(EscrowError):
+    code = "handed_off"
+
+
+class Released(EscrowError):
+    code = "released"
+
+
+class Expired(EscrowError):
+    code = "expired"
+
+
+class AckLate(EscrowError):
+    code = "ack_late"
+
+
+class HolderUnavailable(EscrowError):
+    code = "unavailable"
+
+
+class HolderUnresponsive(EscrowError):
+    code = "unresponsive"
+
+
+class EscrowConfigError(EscrowError):
+    code = "config"
+
+
+class ProtocolViolation(EscrowError):
+    code = "protocol"
+
+
+_BY_CODE: dict[str, type[EscrowError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest, UnsupportedVersion, Forbidden, SessionUnknown, SessionExists, NotATerminal,
+        CustodyHeld, Busy, DrainStopTimeout, LimitReached, HandedOff, Released, Expired, AckLate,
+    )
+}
+
+
+def from_code(code: str, message: str, session_id: str | None = None) -> EscrowError:
+    """The exception for an `error` answer; an unknown code still keeps its code."""
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(message, session_id)
+    exc = EscrowError(message, session_id)
+    exc.code = code
+    return exc

@@ -1,0 +1,144 @@
+"""Frames with file descriptors over a Unix stream socket (SCM_RIGHTS).
+
+The receive side is written once, without I/O (`FrameAssembler`), and driven by a blocking
+loop here and by an async loop in the holder. Rules it enforces (PROTOCOL.md, "fd passing"):
+
+- It asks for exactly the 4 header bytes, then exactly the body. Linux may merge earlier
+  fd-less bytes into the recvmsg that returns fds, so reading ahead would attach an fd to the
+  wrong frame.
+- Every fd that arrives is close-on-exec (MSG_CMSG_CLOEXEC, or fcntl right after where the
+  platform lacks it) and is closed again on any error, including MSG_CTRUNC. A control buffer
+  of CMSG_SPACE(4) can deliver two fds through alignment padding, so the count is checked
+  as well as the flag.
+- Every send passes MSG_NOSIGNAL (SO_NOSIGPIPE is set on the socket where that exists
+  instead), so a peer that hung up gives EPIPE, not a SIGPIPE that kills the process.
+
+The stdlib's `socket.send_fds`/`recv_fds` ignore their flags argument in Python 3.11, which
+is why sendmsg/recvmsg are called directly.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+from collections.abc import Iterable
+
+from .platform import RECV_FLAGS, SEND_FLAGS, mark_cloexec
+from .protocol import HEADER, FrameError, parse_header
+
+# Room for a few fds, so that a frame with too many is seen (and its fds closed) rather than
+# silently truncated by the kernel.
+MAX_FDS_SEEN = 8
+ANCILLARY_SPACE = socket.CMSG_SPACE(MAX_FDS_SEEN * array.array("i").itemsize)
+
+Ancillary = list[tuple[int, int, bytes]]
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def fds_from_ancillary(ancdata: Ancillary, msg_flags: int) -> list[int]:
+    """Return the fds installed by one recvmsg; on MSG_CTRUNC close them and raise."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            ints = array.array("i")
+            ints.frombytes(data[: len(data) - len(data) % ints.itemsize])
+            fds.extend(ints)
+    mark_cloexec(fds)
+    if msg_flags & socket.MSG_CTRUNC:
+        close_fds(fds)
+        raise FrameError("ancillary data was truncated (MSG_CTRUNC): too many fds")
+    return fds
+
+
+def rights(fd: int | None) -> Ancillary:
+    """The ancillary data that carries `fd`, or none."""
+    if fd is None:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+
+
+class FrameAssembler:
+    """Collects one frame, header then body, and every fd that came with it.
+
+    Usage: while `feed(*recvmsg(assembler.wanted, ANCILLARY_SPACE, RECV_FLAGS)[:3])` returns
+    None, keep reading. It returns `(body, fds)` once the frame is whole. The caller owns the
+    returned fds. On EOF in the middle of a frame, or any error, the fds are closed before the
+    exception leaves. A clean EOF between frames raises EOFError.
+    """
+
+    def __init__(self, max_body: int) -> None:
+        self.max_body = max_body
+        self._buf = bytearray()
+        self._body_len: int | None = None
+        self.fds: list[int] = []
+
+    @property
+    def wanted(self) -> int:
+        if self._body_len is None:
+            return HEADER.size - len(self._buf)
+        return self._body_len - len(self._buf)
+
+    @property
+    def started(self) -> bool:
+        return bool(self._buf or self.fds or self._body_len is not None)
+
+    def feed(self, data: bytes, ancdata: Ancillary, msg_flags: int) -> tuple[bytes, list[int]] | None:
+        try:
+            self.fds.extend(fds_from_ancillary(ancdata, msg_flags))
+            if not data:
+                if self.started:
+                    raise FrameError("connection closed in the middle of a frame")
+                raise EOFError
+            self._buf += data
+            if self._body_len is None:
+                if len(self._buf) < HEADER.size:
+                    return None
+                self._body_len = parse_header(bytes(self._buf), self.max_body)
+                self._buf.clear()
+                return None
+            if len(self._buf) < self._body_len:
+                return None
+            body, fds = bytes(self._buf), self.fds
+            self._buf, self._body_len, self.fds = bytearray(), None, []
+            return body, fds
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Close every fd collected so far (the frame will not be delivered)."""
+        fds, self.fds = self.fds, []
+        close_fds(fds)
+
+
+def recv_frame(sock: socket.socket, max_body: int) -> tuple[bytes, list[int]]:
+    """Blocking: read one whole frame. Raises EOFError at a clean end of stream, ProtocolError
+    on a bad frame, OSError (including TimeoutError, from the socket's timeout) otherwise."""
+    assembler = FrameAssembler(max_body)
+    try:
+        while True:
+            data, ancdata, flags, _ = sock.recvmsg(assembler.wanted, ANCILLARY_SPACE, RECV_FLAGS)
+            frame = assembler.feed(data, ancdata, flags)
+            if frame is not None:
+                return frame
+    except BaseException:
+        assembler.discard()
+        raise
+
+
+def send_frame(sock: socket.socket, frame: bytes, fd: int | None = None) -> None:
+    """Blocking: send one whole frame, `fd` riding on its first byte."""
+    view = memoryview(frame)
+    ancdata = rights(fd)
+    while view:
+        sent = sock.sendmsg([view], ancdata, SEND_FLAGS)
+        ancdata = []
+        view = view[sent:]

@@ -1,0 +1,104 @@
+"""Where the holder lives on disk: its socket, lock file and pidfile.
+
+Shared by the holder (which creates them) and the client and `escrowctl` (which only read
+them). Nothing here deletes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+
+SOCKET_ENV = "ESCROW_SOCKET"
+# sockaddr_un.sun_path is 108 bytes on Linux and 104 on macOS, including the trailing NUL.
+MAX_SOCKET_PATH = 103
+
+
+class PathError(Exception):
+    """A socket path or its directory cannot be used safely; the message says why."""
+
+
+def default_socket_path() -> str:
+    """`$ESCROW_SOCKET`, else `$XDG_RUNTIME_DIR/escrowd/escrowd.sock`, else a per-user
+    directory under the temp dir."""
+    explicit = os.environ.get(SOCKET_ENV)
+    if explicit:
+        return explicit
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "escrowd", "escrowd.sock")
+    return os.path.join(tempfile.gettempdir(), f"escrowd-{os.getuid()}", "escrowd.sock")
+
+
+def resolve_socket_path(path: str | None) -> str:
+    return os.path.abspath(path or default_socket_path())
+
+
+def lock_path(socket_path: str) -> str:
+    return socket_path + ".lock"
+
+
+def pid_path(socket_path: str) -> str:
+    return socket_path + ".pid"
+
+
+def ensure_private_dir(directory: str) -> None:
+    """Create `directory` 0700 if missing; refuse one owned by another user, open to
+    group or others, or not a real directory."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise PathError(f"cannot create socket directory {directory}: {exc.strerror}") from None
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PathError(f"socket directory {directory} is not a directory (a symlink?)")
+    if st.st_uid != os.getuid():
+        raise PathError(
+            f"socket directory {directory} is owned by uid {st.st_uid}, not by you "
+            f"(uid {os.getuid()}): refusing to use it"
+        )
+    if st.st_mode & 0o077:
+        raise PathError(
+            f"socket directory {directory} has mode {stat.S_IMODE(st.st_mode):04o}, open to "
+            "group or others: refusing to use it (chmod 700 it, or choose another --socket)"
+        )
+
+
+def check_socket_path(path: str) -> None:
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise PathError(
+            f"socket path is {len(os.fsencode(path))} bytes, over the {MAX_SOCKET_PATH}-byte "
+            f"limit of a Unix socket address: {path}"
+        )
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    pid: int
+    start_time: float
+
+
+def write_pidfile(socket_path: str, pid: int, start_time: float) -> None:
+    """Write `<socket>.pid` atomically (temp file and rename): a reader sees the old file,
+    the new one, or none; never half of one."""
+    final = pid_path(socket_path)
+    temp = f"{final}.{pid}.tmp"
+    with open(temp, "w", encoding="ascii", opener=_private_opener) as f:
+        f.write(f"{pid}\n{start_time!r}\n")
+    os.replace(temp, final)
+
+
+def read_pidfile(socket_path: str) -> PidRecord | None:
+    """The recorded pid and start time, or None if the file is missing, empty or malformed."""
+    try:
+        with open(pid_path(socket_path), encoding="ascii") as f:
+            fields = f.read().split()
+        return PidRecord(int(fields[0]), float(fields[1]))
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _private_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_CLOEXEC, 0o600)

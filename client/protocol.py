@@ -1,0 +1,246 @@
+"""The fd-escrow wire protocol: every message, and how it is framed.
+
+This module is the single definition of the protocol, shared by the holder (`escrowd`) and
+the client library. It does no I/O and imports no event loop; PROTOCOL.md describes the same
+thing for implementers in other languages.
+
+A frame is a 4-byte big-endian unsigned length followed by a MessagePack map. Every map has
+a ``type`` field naming the message. Unknown fields are ignored (so new fields can be added
+with defaults); an unknown ``type`` is an error. Exactly two messages carry an fd as
+SCM_RIGHTS data on the first byte of their frame: ``deposit`` and ``handoff``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+HEADER = struct.Struct(">I")
+MAX_REQUEST_BYTES = 1 << 20  # a request body, holder side
+
+NAME_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+Label = Annotated[str, msgspec.Meta(max_length=256)]
+Pid = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+SessionState = Literal[
+    "held", "draining", "handing_off", "exited", "handed_off", "released", "expired", "unknown"
+]
+LIVE_STATES: frozenset[str] = frozenset({"held", "draining", "handing_off", "exited"})
+TOMBSTONE_STATES: frozenset[str] = frozenset({"handed_off", "released", "expired"})
+
+ErrorCode = Literal[
+    "bad_request",
+    "unsupported_version",
+    "forbidden",
+    "unknown",
+    "exists",
+    "not_a_terminal",
+    "custody_held",
+    "busy",
+    "drain_stop_timeout",
+    "limit",
+    "handed_off",
+    "released",
+    "expired",
+    "ack_late",
+]
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    """Base of every message; the tag (``type``) is the snake_case name given per class."""
+
+
+# --- client to holder -------------------------------------------------------------------
+
+
+class Hello(Message, tag="hello"):
+    """First message on every connection. `timeout` is the client's deadline for one call,
+    so the holder can wait at least that long for an ack."""
+
+    version: int
+    owner: Name
+    client: Label = ""
+    timeout: float | None = None
+
+
+class Deposit(Message, tag="deposit"):
+    """Carries the PTY master as SCM_RIGHTS. The sending connection becomes its custodian."""
+
+    id: Name
+    label: Label = ""
+    child_pid: Pid | None = None
+    cols: Dim = 0
+    rows: Dim = 0
+    meta: dict[str, str] = {}
+
+
+class Release(Message, tag="release"):
+    id: Name
+
+
+class Retrieve(Message, tag="retrieve"):
+    id: Name
+
+
+class Ack(Message, tag="ack"):
+    id: Name
+    handoff_id: str
+
+
+class List(Message, tag="list"):
+    all_owners: bool = False
+
+
+class Status(Message, tag="status"):
+    pass
+
+
+Request = Hello | Deposit | Release | Retrieve | Ack | List | Status
+
+
+# --- holder to client -------------------------------------------------------------------
+
+
+class SessionInfo(msgspec.Struct, kw_only=True):
+    """What the holder knows about one session. `child_alive` is true, false or None
+    (cannot tell); None is never rounded to false."""
+
+    owner: str
+    id: str
+    label: str = ""
+    state: SessionState
+    child_pid: int | None = None
+    child_alive: bool | None = None
+    deposited_at: float = 0.0
+    state_since: float = 0.0
+    buffered_bytes: int = 0
+    dropped_bytes: int = 0
+    custodian_pid: int | None = None
+    handoff_id: str | None = None
+    cols: int = 0
+    rows: int = 0
+    meta: dict[str, str] = {}
+
+
+class Welcome(Message, tag="welcome"):
+    version: int
+    holder_version: str
+    pid: int
+    drain_stop_budget: float
+    send_deadline: float
+    ack_deadline: float
+    limits: dict[str, int] = {}
+
+
+class Deposited(Message, tag="deposited"):
+    id: str
+
+
+class Released(Message, tag="released"):
+    id: str
+
+
+class Handoff(Message, tag="handoff"):
+    """Carries the PTY master back as SCM_RIGHTS, with the output drained meanwhile."""
+
+    handoff_id: str
+    session: SessionInfo
+    replay: bytes
+    dropped_bytes: int = 0
+
+
+class Done(Message, tag="done"):
+    id: str
+
+
+class Sessions(Message, tag="sessions"):
+    sessions: list[SessionInfo]
+
+
+class HolderStatus(Message, tag="holder_status"):
+    pid: int
+    version: str
+    started_at: float
+    socket: str
+    sessions_by_state: dict[str, int] = {}
+    counters: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    open_fds: int | None = None
+    rss_bytes: int | None = None
+
+
+class Error(Message, tag="error"):
+    code: str
+    message: str
+    id: str | None = None
+
+
+Response = Welcome | Deposited | Released | Handoff | Done | Sessions | HolderStatus | Error
+
+# Which messages carry exactly one fd; every other message carries none.
+FD_CARRIERS: tuple[type[Message], ...] = (Deposit, Handoff)
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame or message. The connection is not
+    usable after this; `code` is the protocol error code to answer with where one can."""
+
+    code = "bad_request"
+
+
+class FrameError(ProtocolError):
+    """The framing itself is broken (a bad length, a frame cut short, truncated ancillary
+    data): the stream is out of step and the connection must end."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+
+
+def encode(message: Message) -> bytes:
+    """Return the whole frame (header and body) for `message`."""
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+def decode_request(body: bytes) -> Request:
+    return _decode(_request_decoder, body)  # type: ignore[no-any-return]
+
+
+def decode_response(body: bytes) -> Response:
+    return _decode(_response_decoder, body)  # type: ignore[no-any-return]
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable MessagePack: {exc}") from None
+
+
+def check_fds(message: Message, fd_count: int) -> None:
+    """Raise ProtocolError unless `message` came with the number of fds it must carry."""
+    wanted = 1 if isinstance(message, FD_CARRIERS) else 0
+    if fd_count != wanted:
+        name = type(message).__struct_config__.tag
+        raise ProtocolError(f"a {name} frame must carry {wanted} fd(s), this one carried {fd_count}")
+
+
+def parse_header(header: bytes, max_body: int) -> int:
+    """Return the body length from a 4-byte header, refusing bodies over `max_body`."""
+    (length,) = HEADER.unpack(header)
+    if length == 0:
+        raise FrameError("empty frame")
+    if length > max_body:
+        raise FrameError(f"frame of {length} bytes is over the limit of {max_body}")
+    return int(length)

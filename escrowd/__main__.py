@@ -1,0 +1,125 @@
+"""`escrowd`: run the holder in the foreground.
+
+Exit status: 0 after a clean stop (SIGTERM, SIGINT, or --idle-exit), 1 when it cannot start
+(the message says why, e.g. another holder already serves the socket), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import trio
+
+from escrow_client import paths
+
+from . import __version__
+from .config import MiB, Config
+from .lifecycle import StartupError, claimed
+from .log import log
+from .server import Holder
+from .service import notify
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Config(socket_path="")
+    p = argparse.ArgumentParser(
+        prog="escrowd",
+        description="Hold PTY masters for terminal apps while they restart, draining their "
+        "output so nothing is lost.",
+    )
+    p.add_argument("--version", action="version", version=f"escrowd {__version__}")
+    p.add_argument("--socket", metavar="PATH",
+                   help="socket path (default: $ESCROW_SOCKET, else "
+                   "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else a per-user temp directory)")
+    p.add_argument("--drain-stop-budget", type=float, default=d.drain_stop_budget,
+                   metavar="SECONDS", help="time to stop a drain and sweep before a handoff")
+    p.add_argument("--send-deadline", type=float, default=d.send_deadline, metavar="SECONDS",
+                   help="time to send a handoff")
+    p.add_argument("--ack-deadline", type=float, default=d.ack_deadline, metavar="SECONDS",
+                   help="time to wait for the app's ack after a handoff is sent")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, metavar="N")
+    p.add_argument("--ring-bytes", type=int, default=d.ring_bytes, metavar="BYTES",
+                   help="replay kept per session (default 1 MiB)")
+    p.add_argument("--total-ring-bytes", type=int, default=d.total_ring_bytes, metavar="BYTES",
+                   help=f"replay kept by the whole holder (default {d.total_ring_bytes // MiB} MiB)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   metavar="BYTES")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
+                   help="close a connection that holds no custody after this long idle")
+    p.add_argument("--unclaimed-ttl", type=float, default=d.unclaimed_ttl, metavar="SECONDS",
+                   help="release sessions nobody reclaimed after this long (0: never)")
+    p.add_argument("--idle-exit", type=float, default=d.idle_exit, metavar="SECONDS",
+                   help="exit after this long with no sessions and no connections (0: never)")
+    return p
+
+
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
+    config = Config(
+        socket_path=paths.resolve_socket_path(args.socket),
+        drain_stop_budget=args.drain_stop_budget,
+        send_deadline=args.send_deadline,
+        ack_deadline=args.ack_deadline,
+        max_sessions=args.max_sessions,
+        ring_bytes=args.ring_bytes,
+        total_ring_bytes=args.total_ring_bytes,
+        max_connections=args.max_connections,
+        max_request_bytes=args.max_request_bytes,
+        idle_timeout=args.idle_timeout,
+        unclaimed_ttl=args.unclaimed_ttl,
+        idle_exit=args.idle_exit,
+    )
+    for name in ("drain_stop_budget", "send_deadline", "ack_deadline", "idle_timeout"):
+        if getattr(config, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_sessions", "max_connections", "max_request_bytes"):
+        if getattr(config, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if config.ring_bytes < 0 or config.total_ring_bytes < 0:
+        parser.error("ring sizes cannot be negative")
+    return config
+
+
+async def _run(config: Config) -> None:
+    with claimed(config.socket_path) as listening:
+        listener = trio.socket.from_stdlib_socket(listening)
+        holder = Holder(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(holder.serve, listener)
+            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__)
+            notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {config.socket_path}")
+
+
+async def _watch_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log("stopping", reason=signal.Signals(signum).name)
+            notify("STOPPING=1")
+            scope.cancel()
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    # First, before any socket exists: a peer that hangs up must never kill the holder and
+    # every session in it. Sends also use MSG_NOSIGNAL; this covers anything that does not.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    os.umask(0o077)
+    parser = _parser()
+    config = _config(parser.parse_args(argv), parser)
+    try:
+        trio.run(_run, config)
+    except (StartupError, paths.PathError) as exc:
+        print(f"escrowd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    log("stopped", socket=config.socket_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The holder's settings: budgets, deadlines and limits, each with a sane default."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    socket_path: str
+    # The handoff (DESIGN §4). A client's deadline must exceed budget + send deadline.
+    drain_stop_budget: float = 3.0
+    send_deadline: float = 1.0
+    ack_deadline: float = 10.0
+    # Limits.
+    max_sessions: int = 2048
+    ring_bytes: int = 1 * MiB
+    total_ring_bytes: int = 512 * MiB
+    max_connections: int = 256
+    max_request_bytes: int = 1 * MiB
+    idle_timeout: float = 60.0  # a connection that is not a custodian
+    max_tombstones: int = 10_000
+    unclaimed_ttl: float = 86_400.0  # 0 disables
+    idle_exit: float = 0.0  # 0 disables
+
+    def limits(self) -> dict[str, int]:
+        """The integer limits, as reported in `welcome` and `holder_status`."""
+        return {k: v for k, v in asdict(self).items() if isinstance(v, int) and k != "socket_path"}

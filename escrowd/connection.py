@@ -1,0 +1,73 @@
+"""One client connection, as the holder sees it: framed messages with fds, async.
+
+The framing rules live in `escrow_client.fdpass` (shared with the client); this is only the
+trio loop around them.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from escrow_client import protocol
+from escrow_client.fdpass import ANCILLARY_SPACE, FrameAssembler, close_fds, rights
+from escrow_client.platform import RECV_FLAGS, SEND_FLAGS, harden_socket, peer_credentials
+
+
+class Connection:
+    """A connected client socket.
+
+    Resource handling: owns `sock` and closes it in `close()`. Received fds belong to the
+    caller of `receive()`.
+    """
+
+    def __init__(self, sock: trio.socket.SocketType, number: int) -> None:
+        self.sock = sock
+        self.number = number
+        harden_socket(sock)  # type: ignore[arg-type]
+        self.peer_pid, self.peer_uid = peer_credentials(sock)  # type: ignore[arg-type]
+        self.owner = ""
+        self.client = ""
+        self.client_timeout = 0.0
+        self.custodian = False  # deposited at least once: never idle-timed-out
+
+    async def receive_frame(self, max_body: int) -> tuple[bytes, list[int]]:
+        """Read exactly one frame. EOFError at a clean end; ProtocolError on a bad frame
+        (every fd that came with it closed)."""
+        assembler = FrameAssembler(max_body)
+        try:
+            while True:
+                data, ancdata, flags, _ = await self.sock.recvmsg(
+                    assembler.wanted, ANCILLARY_SPACE, RECV_FLAGS
+                )
+                frame = assembler.feed(data, ancdata, flags)
+                if frame is not None:
+                    return frame
+        except BaseException:
+            assembler.discard()
+            raise
+
+    async def receive(self, max_body: int) -> tuple[protocol.Request, int | None]:
+        """Read and decode one request; returns it with its fd, if it must carry one."""
+        body, fds = await self.receive_frame(max_body)
+        try:
+            message = protocol.decode_request(body)
+            protocol.check_fds(message, len(fds))
+        except BaseException:
+            close_fds(fds)
+            raise
+        return message, (fds[0] if fds else None)
+
+    async def send(self, message: protocol.Message, fd: int | None = None) -> None:
+        """Send one whole frame; `fd` rides on its first byte. MSG_NOSIGNAL on every send."""
+        view = memoryview(protocol.encode(message))
+        ancdata = rights(fd)
+        while view:
+            sent = await self.sock.sendmsg([view], ancdata, SEND_FLAGS)
+            ancdata = []
+            view = view[sent:]
+
+    async def send_error(self, code: str, message: str, sid: str | None = None) -> None:
+        await self.send(protocol.Error(code=code, message=message, id=sid))
+
+    def close(self) -> None:
+        self.sock.close()

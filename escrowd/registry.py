@@ -1,0 +1,93 @@
+"""Every session the holder knows about: the live ones, and tombstones of the ended ones.
+
+A tombstone (`handed_off`, `released`, `expired`) keeps a snapshot of the session so that a
+question about it gets a true answer for a while. When tombstones are evicted (oldest first,
+past `max_tombstones`) the answer becomes `unknown`, never something else.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from escrow_client.protocol import SessionInfo
+
+from .ring import Ring, RingBudget
+from .session import Session
+
+Key = tuple[str, str]
+
+
+class RegistryError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Registry:
+    def __init__(
+        self, max_sessions: int, ring_bytes: int, total_ring_bytes: int, max_tombstones: int
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.ring_bytes = ring_bytes
+        self.budget = RingBudget(total_ring_bytes)
+        self.max_tombstones = max_tombstones
+        self.live: dict[Key, Session] = {}
+        self.tombstones: OrderedDict[Key, SessionInfo] = OrderedDict()
+
+    def check_room(self, key: Key) -> None:
+        """Raise `exists` or `limit` if a session with `key` cannot be added now."""
+        if key in self.live:
+            raise RegistryError("exists", f"a live session {key[0]}/{key[1]} already exists")
+        if len(self.live) >= self.max_sessions:
+            raise RegistryError("limit", f"the holder already has {self.max_sessions} sessions")
+
+    def new_ring(self) -> Ring:
+        return Ring(self.ring_bytes, self.budget)
+
+    def add(self, session: Session) -> None:
+        self.check_room(session.key)
+        self.tombstones.pop(session.key, None)  # a relaunched app reuses its ids
+        self.live[session.key] = session
+
+    def get(self, owner: str, sid: str) -> Session | None:
+        return self.live.get((owner, sid))
+
+    def tombstone(self, owner: str, sid: str) -> SessionInfo | None:
+        return self.tombstones.get((owner, sid))
+
+    def bury(self, session: Session, state: str, reason: str) -> None:
+        """End a live session: close the holder's copy and keep a tombstone. The drain must
+        have been stopped first."""
+        info = session.info()
+        session.close()
+        session.set_state(state, reason)
+        info.state = state  # type: ignore[assignment]
+        info.state_since = session.state_since
+        info.buffered_bytes = 0
+        info.custodian_pid = None
+        del self.live[session.key]
+        self.tombstones[session.key] = info
+        while len(self.tombstones) > self.max_tombstones:
+            self.tombstones.popitem(last=False)
+
+    def sessions(self, owner: str | None) -> list[SessionInfo]:
+        """Live sessions and tombstones of `owner` (every owner if None)."""
+        infos = [s.info() for s in self.live.values() if owner in (None, s.owner)]
+        infos += [t for t in self.tombstones.values() if owner in (None, t.owner)]
+        return infos
+
+    def count_by_state(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for session in self.live.values():
+            counts[session.state] = counts.get(session.state, 0) + 1
+        for tomb in self.tombstones.values():
+            counts[tomb.state] = counts.get(tomb.state, 0) + 1
+        return counts
+
+    def oldest_unclaimed(self, now: float, ttl: float) -> list[Session]:
+        """Sessions waiting (draining or exited) for longer than `ttl` seconds."""
+        return [
+            s
+            for s in self.live.values()
+            if s.state in ("draining", "exited") and now - s.state_since > ttl
+        ]

@@ -1,0 +1,111 @@
+"""The replay ring: a bounded circular buffer that a PTY master is read into directly.
+
+Bytes go from the kernel into the ring's own storage with `os.readv` (no intermediate
+`bytes` objects); when the ring is full the oldest bytes are overwritten and counted in
+`dropped`. Storage grows on demand, doubling up to the per-session limit, and every byte of
+it is granted by a holder-wide `RingBudget`, so total replay memory is bounded however many
+sessions there are. A ring that can get no storage at all still reads: its bytes are
+counted as dropped, because a child must never block on a full terminal.
+"""
+
+from __future__ import annotations
+
+import os
+
+MIN_CAPACITY = 16 * 1024
+_SCRATCH = bytearray(64 * 1024)  # where bytes go that no ring has room for
+
+
+class RingBudget:
+    """The holder-wide cap on ring storage, shared by every session."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total = total_bytes
+        self.used = 0
+
+    def grant(self, wanted: int) -> int:
+        granted = max(0, min(wanted, self.total - self.used))
+        self.used += granted
+        return granted
+
+    def give_back(self, amount: int) -> None:
+        self.used -= amount
+
+
+class Ring:
+    def __init__(self, limit: int, budget: RingBudget) -> None:
+        self.limit = limit
+        self._budget = budget
+        self._buf = bytearray()
+        self._start = 0
+        self._size = 0
+        self.dropped = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
+
+    def contents(self) -> bytes:
+        """Every byte held, oldest first."""
+        end = self._start + self._size
+        if end <= len(self._buf):
+            return bytes(self._buf[self._start : end])
+        return bytes(self._buf[self._start :]) + bytes(self._buf[: end - len(self._buf)])
+
+    def release(self) -> None:
+        """Give the storage back to the budget; the ring is empty afterwards."""
+        self._budget.give_back(len(self._buf))
+        self._buf = bytearray()
+        self._start = self._size = 0
+
+    def read_from(self, fd: int, at_most: int, overwrite: bool) -> int:
+        """One `readv` of up to `at_most` bytes from `fd` into the ring.
+
+        With `overwrite` (draining), a full ring drops its oldest bytes to make room. Without
+        it (the sweep before a handoff), only free space is filled, and 0 is returned without
+        reading when there is none. Returns what `readv` returned; 0 from a read means end of
+        file. OSError from the read (EAGAIN, EIO) propagates with nothing changed.
+        """
+        if self._size == len(self._buf):
+            self._grow()
+        cap = len(self._buf)
+        if cap == 0:
+            if not overwrite:
+                return 0
+            n = os.readv(fd, [memoryview(_SCRATCH)[: min(at_most, len(_SCRATCH))]])
+            self.dropped += n
+            return n
+        free = cap - self._size
+        if free == 0 and not overwrite:
+            return 0
+        write_at = (self._start + self._size) % cap
+        room = cap if overwrite else free
+        n = os.readv(fd, self._regions(write_at, min(at_most, room)))
+        overflow = max(0, self._size + n - cap)
+        self._size = min(cap, self._size + n)
+        self._start = (self._start + overflow) % cap
+        self.dropped += overflow
+        return n
+
+    def _regions(self, write_at: int, length: int) -> list[memoryview]:
+        view = memoryview(self._buf)
+        first = min(length, len(self._buf) - write_at)
+        regions = [view[write_at : write_at + first]]
+        if length > first:
+            regions.append(view[: length - first])
+        return regions
+
+    def _grow(self) -> None:
+        cap = len(self._buf)
+        if cap >= self.limit:
+            return
+        extra = self._budget.grant(min(self.limit, max(MIN_CAPACITY, cap * 2)) - cap)
+        if extra == 0:
+            return
+        grown = bytearray(cap + extra)
+        grown[: self._size] = self.contents()
+        self._buf, self._start = grown, 0

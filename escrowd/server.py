@@ -1,0 +1,267 @@
+"""The holder's server: accept connections, check the peer, handshake, dispatch requests.
+
+Every connection is served by one task, sequentially: read a request, answer it. A
+connection that deposits becomes the custodian of what it deposited; when it ends, for
+whatever reason, those sessions start draining (in a shielded `finally`, so even a holder
+shutting down does it in order).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import psutil
+import trio
+
+from escrow_client import protocol
+from escrow_client.fdpass import close_fds
+from escrow_client.liveness import process_start_time
+from escrow_client.platform import is_pty_master, open_fd_count
+
+from . import __version__, handoff
+from .config import Config
+from .connection import Connection
+from .log import log
+from .registry import Registry, RegistryError
+from .session import Session
+
+# accept() errors that mean "out of resources for now": pause and retry rather than die.
+# Same list and reasoning as trio's serve_listeners: the next accept may well succeed once
+# a connection closes, and exiting would take every escrowed session with us.
+_ACCEPT_CAPACITY_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+class Holder:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.registry = Registry(
+            config.max_sessions, config.ring_bytes, config.total_ring_bytes, config.max_tombstones
+        )
+        self.started_at = time.time()
+        self.connections: set[Connection] = set()
+        self.counters: dict[str, int] = {
+            "connections": 0,
+            "refused_peers": 0,
+            "bad_requests": 0,
+            "deposits": 0,
+            "handoffs": 0,
+            "handoffs_failed": 0,
+            "releases": 0,
+        }
+        self._next_conn = 0
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        assert self._nursery is not None
+        return self._nursery
+
+    async def serve(
+        self, listener: trio.socket.SocketType, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self._accept_loop(listener)
+
+    async def _accept_loop(self, listener: trio.socket.SocketType) -> None:
+        while True:
+            try:
+                sock, _ = await listener.accept()
+            except OSError as exc:
+                if exc.errno in _ACCEPT_CAPACITY_ERRORS:
+                    log("accept_error", errno=errno.errorcode[exc.errno], action="pause 100ms")
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            self._next_conn += 1
+            self.nursery.start_soon(self._serve_connection, sock, self._next_conn)
+
+    # --- one connection -----------------------------------------------------------------
+
+    async def _serve_connection(self, sock: trio.socket.SocketType, number: int) -> None:
+        conn: Connection | None = None
+        try:
+            conn = Connection(sock, number)
+            self.counters["connections"] += 1
+            self.connections.add(conn)
+            if conn.peer_uid != os.getuid():
+                self.counters["refused_peers"] += 1
+                log("peer_refused", conn=number, peer_pid=conn.peer_pid, peer_uid=conn.peer_uid,
+                    reason="uid differs from the holder's")
+                with trio.move_on_after(self.config.send_deadline):
+                    await conn.send_error("forbidden", "peer uid differs from the holder's uid")
+                return
+            if len(self.connections) > self.config.max_connections:
+                log("conn_refused", conn=number, reason="connection limit")
+                with trio.move_on_after(self.config.send_deadline):
+                    await conn.send_error("limit", "too many connections")
+                return
+            if await self._handshake(conn):
+                await self._request_loop(conn)
+        except (OSError, EOFError):
+            pass  # the peer went away; custody (if any) ends below
+        finally:
+            with trio.CancelScope(shield=True):
+                if conn is not None:
+                    self.connections.discard(conn)
+                    self._end_custody(conn)
+                    conn.close()
+                else:
+                    sock.close()
+
+    async def _receive(self, conn: Connection) -> tuple[protocol.Request, int | None] | None:
+        """The next request, or None when the connection should end. Answers bad input."""
+        while True:
+            timeout = float("inf") if conn.custodian else self.config.idle_timeout
+            try:
+                with trio.fail_after(timeout):
+                    return await conn.receive(self.config.max_request_bytes)
+            except trio.TooSlowError:
+                log("conn_idle", conn=conn.number, owner=conn.owner or None,
+                    reason="idle timeout")
+                return None
+            except protocol.ProtocolError as exc:
+                await self._bad_request(conn, str(exc))
+                # A broken frame leaves the stream out of step; a bad message in a whole
+                # frame does not, and the connection goes on.
+                if isinstance(exc, protocol.FrameError):
+                    return None
+
+    async def _bad_request(self, conn: Connection, why: str) -> None:
+        self.counters["bad_requests"] += 1
+        log("bad_request", conn=conn.number, owner=conn.owner or None, peer_pid=conn.peer_pid,
+            reason=why)
+        with trio.move_on_after(self.config.send_deadline):
+            await conn.send_error("bad_request", why)
+
+    async def _handshake(self, conn: Connection) -> bool:
+        got = await self._receive(conn)
+        if got is None:
+            return False
+        hello = got[0]
+        if not isinstance(hello, protocol.Hello):
+            await self._bad_request(conn, f"expected hello first, got {type(hello).__name__}")
+            return False
+        if hello.version not in protocol.SUPPORTED_VERSIONS:
+            log("bad_request", conn=conn.number, reason=f"unsupported version {hello.version}")
+            await conn.send_error(
+                "unsupported_version",
+                f"protocol version {hello.version} is not supported; this holder speaks "
+                f"{', '.join(map(str, protocol.SUPPORTED_VERSIONS))}",
+            )
+            return False
+        conn.owner, conn.client = hello.owner, hello.client
+        conn.client_timeout = min(max(hello.timeout or 0.0, 0.0), 600.0)
+        c = self.config
+        await conn.send(
+            protocol.Welcome(
+                version=protocol.VERSION,
+                holder_version=__version__,
+                pid=os.getpid(),
+                drain_stop_budget=c.drain_stop_budget,
+                send_deadline=c.send_deadline,
+                ack_deadline=c.ack_deadline,
+                limits=c.limits(),
+            )
+        )
+        return True
+
+    async def _request_loop(self, conn: Connection) -> None:
+        while (got := await self._receive(conn)) is not None:
+            request, fd = got
+            match request:
+                case protocol.Deposit():
+                    assert fd is not None
+                    await self._deposit(conn, request, fd)
+                case protocol.Retrieve(id=sid):
+                    if not await handoff.retrieve(conn, sid, self.registry, self.config,
+                                                  self.nursery):
+                        self.counters["handoffs_failed"] += 1
+                        return
+                case protocol.Ack():
+                    await self._late_ack(conn, request)
+                case protocol.Release(id=sid):
+                    await self._release(conn, sid)
+                case protocol.List(all_owners=all_owners):
+                    owner = None if all_owners else conn.owner
+                    await conn.send(protocol.Sessions(sessions=self.registry.sessions(owner)))
+                case protocol.Status():
+                    await conn.send(self._status())
+                case protocol.Hello():
+                    await self._bad_request(conn, "hello was already received")
+
+    # --- requests -------------------------------------------------------------------------
+
+    async def _deposit(self, conn: Connection, request: protocol.Deposit, fd: int) -> None:
+        try:
+            if not is_pty_master(fd):
+                raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
+            self.registry.check_room((conn.owner, request.id))
+        except RegistryError as exc:
+            os.close(fd)
+            log("deposit_refused", session=f"{conn.owner}/{request.id}", code=exc.code,
+                reason=str(exc))
+            await conn.send_error(exc.code, str(exc), request.id)
+            return
+        start_time = process_start_time(request.child_pid) if request.child_pid else None
+        session = Session(conn.owner, request, fd, self.registry.new_ring(), conn, conn.peer_pid,
+                          start_time)
+        self.registry.add(session)
+        conn.custodian = True
+        self.counters["deposits"] += 1
+        await conn.send(protocol.Deposited(id=request.id))
+
+    def _end_custody(self, conn: Connection) -> None:
+        """The custodian is gone: everything it still held starts draining."""
+        for session in list(self.registry.live.values()):
+            if session.custodian is conn and session.state == "held":
+                session.custodian = None
+                session.start_drain(self.nursery, f"custodian gone conn={conn.number}")
+
+    async def _release(self, conn: Connection, sid: str) -> None:
+        session = self.registry.get(conn.owner, sid)
+        if session is None:
+            tomb = self.registry.tombstone(conn.owner, sid)
+            code = tomb.state if tomb is not None else "unknown"
+            await conn.send_error(code, f"session {conn.owner}/{sid} is {code}", sid)
+            return
+        if session.state == "handing_off":
+            await conn.send_error("busy", f"session {session.name} is being handed off", sid)
+            return
+        await session.stop_drain()
+        self.registry.bury(session, "released", f"release from peer_pid={conn.peer_pid}")
+        self.counters["releases"] += 1
+        await conn.send(protocol.Released(id=sid))
+
+    async def _late_ack(self, conn: Connection, ack: protocol.Ack) -> None:
+        tomb = self.registry.tombstone(conn.owner, ack.id)
+        if tomb is not None and tomb.state == "handed_off" and tomb.handoff_id == ack.handoff_id:
+            await conn.send(protocol.Done(id=ack.id))
+            return
+        log("ack_late", session=f"{conn.owner}/{ack.id}", handoff_id=ack.handoff_id,
+            reason="no handoff waits for this ack")
+        await conn.send_error(
+            "ack_late", f"handoff {ack.handoff_id} is no longer waiting for an ack; the "
+            "holder kept the session: close your copy", ack.id,
+        )
+
+    def _status(self) -> protocol.HolderStatus:
+        try:
+            rss: int | None = int(psutil.Process().memory_info().rss)
+        except psutil.Error:
+            rss = None
+        return protocol.HolderStatus(
+            pid=os.getpid(),
+            version=__version__,
+            started_at=self.started_at,
+            socket=self.config.socket_path,
+            sessions_by_state=self.registry.count_by_state(),
+            counters=dict(self.counters, ring_bytes_used=self.registry.budget.used,
+                          active_connections=len(self.connections)),
+            limits=self.config.limits(),
+            open_fds=open_fd_count(),
+            rss_bytes=rss,
+        )

@@ -1,0 +1,191 @@
+"""One escrowed terminal: its PTY master, its state, and the task that drains it.
+
+Resource handling: a Session owns one duplicate of a PTY master (`fd`) from deposit until
+it is closed by `close()` (handed off, released, expired); `fd` is -1 afterwards, so a late
+mistake is a clean EBADF instead of an action on a reused fd number.
+
+While `held`, the holder does nothing to the fd at all: the app is still its reader and
+shares its open file description (and so its O_NONBLOCK flag) with us. Draining starts when
+custody ends: the flags are saved, O_NONBLOCK is set, and one task reads everything into the
+replay ring. `stop_drain()` returns only once that task has really finished, because a
+cancelled `wait_readable` can still return normally once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import time
+
+import trio
+
+from escrow_client.liveness import process_alive
+from escrow_client.platform import bytes_readable
+from escrow_client.protocol import Deposit, SessionInfo
+
+from .log import log
+from .ring import Ring
+
+# Upper bound for one read when FIONREAD says 0 but poll says readable (a hangup, or bytes
+# not yet pushed to the line discipline): such a read returns at once.
+_HANGUP_READ = 64 * 1024
+
+
+class Session:
+    def __init__(
+        self,
+        owner: str,
+        deposit: Deposit,
+        fd: int,
+        ring: Ring,
+        custodian: object,
+        custodian_pid: int | None,
+        child_start_time: float | None,
+    ) -> None:
+        self.owner = owner
+        self.id = deposit.id
+        self.label = deposit.label
+        self.child_pid = deposit.child_pid
+        self.child_start_time = child_start_time
+        self.cols, self.rows, self.meta = deposit.cols, deposit.rows, deposit.meta
+        self.fd = fd
+        self.ring = ring
+        self.custodian: object | None = custodian
+        self.custodian_pid = custodian_pid
+        self.deposited_at = self.state_since = time.time()
+        self.state = "held"
+        self.handoff_id: str | None = None
+        self.hung_up = False  # a read failed: the last slave fd is closed
+        self._saved_flags: int | None = None
+        self._drain_scope: trio.CancelScope | None = None
+        self._drain_done: trio.Event | None = None
+        self.log("state", state="held", reason="deposited", child_pid=self.child_pid)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.owner, self.id)
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}/{self.id}"
+
+    def log(self, event: str, **fields: object) -> None:
+        log(event, session=self.name, **fields)
+
+    def set_state(self, state: str, reason: str) -> None:
+        if state != self.state:
+            self.state, self.state_since = state, time.time()
+            self.log("state", state=state, reason=reason)
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            owner=self.owner,
+            id=self.id,
+            label=self.label,
+            state=self.state,  # type: ignore[arg-type]
+            child_pid=self.child_pid,
+            child_alive=process_alive(self.child_pid, self.child_start_time),
+            deposited_at=self.deposited_at,
+            state_since=self.state_since,
+            buffered_bytes=self.ring.size,
+            dropped_bytes=self.ring.dropped,
+            custodian_pid=self.custodian_pid if self.custodian is not None else None,
+            handoff_id=self.handoff_id,
+            cols=self.cols,
+            rows=self.rows,
+            meta=self.meta,
+        )
+
+    # --- draining ---------------------------------------------------------------------
+
+    def start_drain(self, nursery: trio.Nursery, reason: str) -> None:
+        """Become the reader: save the fd's flags, make it non-blocking, start the drain."""
+        assert self._drain_done is None, "one drain task per session"
+        self._saved_flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, self._saved_flags | os.O_NONBLOCK)
+        self._drain_scope = trio.CancelScope()
+        self._drain_done = trio.Event()
+        self.set_state("draining", reason)
+        nursery.start_soon(self._drain, self._drain_scope, self._drain_done)
+
+    async def _drain(self, scope: trio.CancelScope, done: trio.Event) -> None:
+        try:
+            with scope:
+                while True:
+                    await trio.lowlevel.wait_readable(self.fd)
+                    if self.pull(overwrite=True):
+                        # Drain first, then mark: pull() returned only after the read
+                        # failed, so every byte written before the hangup is in the ring.
+                        # (A handoff may be stopping this task right now: it reads hung_up.)
+                        if self.state == "draining":
+                            self.set_state("exited", "terminal hung up")
+                        return
+        finally:
+            done.set()
+
+    async def stop_drain(self) -> None:
+        """Stop the drain task and wait until it has really finished (idempotent)."""
+        if self._drain_scope is not None:
+            self._drain_scope.cancel()
+        if self._drain_done is not None:
+            await self._drain_done.wait()
+        self._drain_scope = self._drain_done = None
+
+    def drain_task_alive(self) -> bool:
+        return self._drain_done is not None
+
+    def pull(self, overwrite: bool) -> bool:
+        """Read what is readable now into the ring; True once the terminal has hung up.
+
+        With `overwrite`, the ring drops its oldest bytes to keep the newest. Without it (the
+        sweep), it stops when the ring has no free space: what is left stays in the kernel
+        for the next reader. Each read is bounded by FIONREAD, so it never blocks even if
+        another process clears O_NONBLOCK on the shared open file description.
+        """
+        while True:
+            try:
+                readable = bytes_readable(self.fd)
+                if readable == 0:
+                    # FIONREAD misses bytes still in the tty's flip buffer, and a hangup;
+                    # poll sees both, and a read after a poll event cannot block.
+                    if not self._poll_readable():
+                        return False
+                    readable = bytes_readable(self.fd) or _HANGUP_READ
+                count = self.ring.read_from(self.fd, readable, overwrite)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    self.log("read_error", errno=errno.errorcode.get(exc.errno or 0, exc.errno))
+                self.hung_up = True
+                return True
+            if count == 0:
+                # End of file, unless a sweep found no room and so did not read at all.
+                if overwrite or self.ring.size < self.ring.capacity:
+                    self.hung_up = True
+                    return True
+                return False
+
+    def _poll_readable(self) -> bool:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def leave_event_loop(self) -> None:
+        """Before the fd goes to another process: restore the app's flags and tell trio to
+        forget it (a cancelled wait stays registered in epoll until notify_closing)."""
+        trio.lowlevel.notify_closing(self.fd)
+        if self._saved_flags is not None:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, self._saved_flags)
+            self._saved_flags = None
+
+    def close(self) -> None:
+        """Close the holder's copy of the master. The drain must be stopped first."""
+        assert self._drain_done is None, "stop the drain before closing"
+        if self.fd >= 0:
+            trio.lowlevel.notify_closing(self.fd)
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+        self.ring.release()
