@@ -90,7 +90,9 @@ class FrameAssembler:
     def started(self) -> bool:
         return bool(self._buf or self.fds or self._body_len is not None)
 
-    def feed(self, data: bytes, ancdata: Ancillary, msg_flags: int) -> tuple[bytes, list[int]] | None:
+    def feed(
+        self, data: bytes, ancdata: Ancillary, msg_flags: int
+    ) -> tuple[bytes, list[int]] | None:
         try:
             self.fds.extend(fds_from_ancillary(ancdata, msg_flags))
             if not data:

@@ -36,4 +36,4 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
         return False
     if start_time is None:
         return None
-    return abs(created - start_time) < _SAME_START
+    return bool(abs(created - start_time) < _SAME_START)

@@ -233,7 +233,7 @@ def check_fds(message: Message, fd_count: int) -> None:
     wanted = 1 if isinstance(message, FD_CARRIERS) else 0
     if fd_count != wanted:
         name = type(message).__struct_config__.tag
-        raise ProtocolError(f"a {name} frame must carry {wanted} fd(s), this one carried {fd_count}")
+        raise ProtocolError(f"a {name} frame must carry {wanted} fd(s), not {fd_count}")
 
 
 def parse_header(header: bytes, max_body: int) -> int:

@@ -16,7 +16,7 @@ import trio
 from escrow_client import paths
 
 from . import __version__
-from .config import MiB, Config
+from .config import Config, MiB
 from .lifecycle import StartupError, claimed
 from .log import log
 from .server import Holder
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-bytes", type=int, default=d.ring_bytes, metavar="BYTES",
                    help="replay kept per session (default 1 MiB)")
     p.add_argument("--total-ring-bytes", type=int, default=d.total_ring_bytes, metavar="BYTES",
-                   help=f"replay kept by the whole holder (default {d.total_ring_bytes // MiB} MiB)")
+                   help=f"replay kept in all (default {d.total_ring_bytes // MiB} MiB)")
     p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    metavar="BYTES")

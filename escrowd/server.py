@@ -16,7 +16,6 @@ import psutil
 import trio
 
 from escrow_client import protocol
-from escrow_client.fdpass import close_fds
 from escrow_client.liveness import process_start_time
 from escrow_client.platform import is_pty_master, open_fd_count
 
@@ -59,7 +58,9 @@ class Holder:
         return self._nursery
 
     async def serve(
-        self, listener: trio.socket.SocketType, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        listener: trio.socket.SocketType,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
