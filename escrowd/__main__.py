@@ -88,10 +88,20 @@ async def _run(config: Config) -> None:
         listener = trio.socket.from_stdlib_socket(listening)
         holder = Holder(config)
         async with trio.open_nursery() as nursery:
-            await nursery.start(holder.serve, listener)
             nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            await nursery.start(_serve_then_stop, holder, listener, nursery.cancel_scope)
             log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__)
             notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {config.socket_path}")
+
+
+async def _serve_then_stop(
+    holder: Holder,
+    listener: trio.socket.SocketType,
+    scope: trio.CancelScope,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await holder.serve(listener, task_status=task_status)
+    scope.cancel()  # idle exit: stop watching signals too
 
 
 async def _watch_signals(scope: trio.CancelScope) -> None:

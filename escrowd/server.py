@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+import traceback
 
 import psutil
 import trio
@@ -62,10 +63,51 @@ class Holder:
         listener: trio.socket.SocketType,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Serve until cancelled, or until --idle-exit finds nothing held for that long."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._accept_loop, listener)
+            nursery.start_soon(self._expire_unclaimed)
             task_status.started()
-            await self._accept_loop(listener)
+            await self._wait_idle_exit()
+            nursery.cancel_scope.cancel()
+
+    async def _expire_unclaimed(self) -> None:
+        """Release sessions nobody reclaimed within --unclaimed-ttl (a coarse check: it
+        sleeps until the next one is due, or a minute at most while none waits)."""
+        ttl = self.config.unclaimed_ttl
+        if ttl <= 0:
+            return
+        while True:
+            now = time.time()
+            waiting = [s for s in self.registry.live.values() if s.state in ("draining", "exited")]
+            for session in [s for s in waiting if now - s.state_since >= ttl]:
+                if session.state not in ("draining", "exited"):
+                    continue  # a retrieve or release got there first
+                await session.stop_drain()
+                if session.state in ("draining", "exited"):
+                    self.registry.bury(session, "expired", f"unclaimed for {ttl:g}s")
+            due = [s.state_since + ttl for s in waiting if s.key in self.registry.live]
+            delay = min(due, default=now + min(ttl, 60.0)) - time.time()
+            await trio.sleep(max(delay, 0.01))
+
+    async def _wait_idle_exit(self) -> None:
+        """Return once the holder has held no session and had no connection for
+        --idle-exit seconds; never if it is 0."""
+        limit = self.config.idle_exit
+        if limit <= 0:
+            await trio.sleep_forever()
+        idle_since: float | None = None
+        while True:
+            now = trio.current_time()
+            if self.registry.live or self.connections:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= limit:
+                log("idle_exit", reason=f"nothing held and no connection for {limit:g}s")
+                return
+            await trio.sleep(max(0.05, min(limit / 4, 30.0)))
 
     async def _accept_loop(self, listener: trio.socket.SocketType) -> None:
         while True:
@@ -104,6 +146,11 @@ class Holder:
                 await self._request_loop(conn)
         except (OSError, EOFError):
             pass  # the peer went away; custody (if any) ends below
+        except Exception as exc:
+            # A bug in serving one connection must not take every session down with the
+            # holder: log it, drop this connection, keep serving the others.
+            log("internal_error", conn=number, error=repr(exc),
+                where=traceback.format_exc(limit=-1).strip().splitlines()[-2].strip())
         finally:
             with trio.CancelScope(shield=True):
                 if conn is not None:

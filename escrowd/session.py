@@ -113,17 +113,23 @@ class Session:
     async def _drain(self, scope: trio.CancelScope, done: trio.Event) -> None:
         try:
             with scope:
-                while True:
-                    await trio.lowlevel.wait_readable(self.fd)
-                    if self.pull(overwrite=True):
-                        # Drain first, then mark: pull() returned only after the read
-                        # failed, so every byte written before the hangup is in the ring.
-                        # (A handoff may be stopping this task right now: it reads hung_up.)
-                        if self.state == "draining":
-                            self.set_state("exited", "terminal hung up")
-                        return
+                await self._drain_until_hangup()
+        except Exception as exc:
+            # Never let one terminal's surprise take the holder (and every session) down.
+            self.log("internal_error", where="drain", error=repr(exc))
         finally:
             done.set()
+
+    async def _drain_until_hangup(self) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(self.fd)
+            if self.pull(overwrite=True):
+                # Drain first, then mark: pull() returned only after the read failed, so
+                # every byte written before the hangup is in the ring. (A handoff may be
+                # stopping this task right now: it reads `hung_up` instead.)
+                if self.state == "draining":
+                    self.set_state("exited", "terminal hung up")
+                return
 
     async def stop_drain(self) -> None:
         """Stop the drain task and wait until it has really finished (idempotent)."""
