@@ -1,0 +1,131 @@
+"""reclaim_all at launch, and custody that a forked child of the app cannot keep alive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+
+from conftest import OWNER, HolderProcess, PtyChild, wait_for
+from escrow_client import CustodyHeld
+
+SHELL_TICKS = ["sh", "-c", 'i=0; while :; do i=$((i+1)); echo "T$i"; sleep 0.05; done']
+
+
+def _states(holder: HolderProcess) -> dict[str, str]:
+    return {s.id: s.state for s in holder.client().list()}
+
+
+def test_reclaim_all_takes_every_session_and_retries_custody_held(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """A relaunched app reclaims all its sessions in one call, including one whose old
+    instance is still exiting (custody_held is retried inside the shared deadline)."""
+    client = holder.client()
+    kids = [pty_children(SHELL_TICKS) for _ in range(3)]
+    for n, kid in enumerate(kids[:2]):
+        client.hand_off(f"tab-{n}", kid.master, child_pid=kid.pid)
+    custody = client.custody()
+    custody.deposit("tab-2", kids[2].master, child_pid=kids[2].pid)
+    wait_for(lambda: _states(holder) == {"tab-0": "draining", "tab-1": "draining",
+                                         "tab-2": "held"}, what="two draining, one held")
+
+    # The old instance lets go of tab-2 only once reclaim_all has met custody_held.
+    def let_go_when_refused() -> None:
+        wait_for(lambda: " state=handing_off " in holder.logs(), what="first handoff")
+        custody.close()
+
+    releaser = threading.Thread(target=let_go_when_refused)
+    releaser.start()
+    report = client.reclaim_all(deadline=8.0)
+    releaser.join()
+    try:
+        assert report.failed == {}
+        assert sorted(report.retrieved) == ["tab-0", "tab-1", "tab-2"]
+        for sid, got in report.retrieved.items():
+            assert got.confirmed, sid
+            assert os.isatty(got.fd)
+            assert got.session.child_pid == kids[int(sid[-1])].pid
+        assert set(_states(holder).values()) == {"handed_off"}
+    finally:
+        for got in report.retrieved.values():
+            os.close(got.fd)
+
+
+def test_single_retrieve_does_not_retry_custody_held(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """A plain retrieve of a held session raises CustodyHeld at once, changing nothing."""
+    kid = pty_children(SHELL_TICKS)
+    client = holder.client()
+    with client.custody() as custody:
+        custody.deposit("tab", kid.master, child_pid=kid.pid)
+        try:
+            client.retrieve("tab")
+        except CustodyHeld as exc:
+            assert exc.code == "custody_held"
+        else:
+            raise AssertionError("retrieve of a held session succeeded")
+        assert _states(holder) == {"tab": "held"}
+    wait_for(lambda: _states(holder) == {"tab": "draining"}, what="draining after custody")
+
+
+APP_THAT_FORKS = textwrap.dedent("""
+    import os, sys, time
+    from escrow_client import EscrowClient
+    socket_path, master, child_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    custody = EscrowClient("{owner}", socket_path=socket_path).custody()
+    custody.deposit("tab", master, child_pid=child_pid)
+    helper = os.fork()
+    if helper == 0:          # a child of the app that does not exec: it must not keep custody
+        time.sleep(60)
+        os._exit(0)
+    print(helper, flush=True)
+    time.sleep(60)
+""").format(owner=OWNER)
+
+
+def test_forked_child_of_app_does_not_keep_custody(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """Incident: an app forked a helper that inherited the custody socket; when the app was
+    killed, the helper kept the socket open, the holder never started draining, and the
+    terminal filled up and blocked. The client closes custody sockets in forked children."""
+    kid = pty_children(SHELL_TICKS)
+    app = subprocess.Popen(
+        [sys.executable, "-c", APP_THAT_FORKS, holder.socket, str(kid.master), str(kid.pid)],
+        pass_fds=[kid.master], stdout=subprocess.PIPE,
+    )
+    assert app.stdout is not None
+    helper_pid = int(app.stdout.readline())
+    try:
+        wait_for(lambda: _states(holder) == {"tab": "held"}, what="held by the app")
+        app.send_signal(signal.SIGKILL)
+        app.wait()
+        os.close(kid.master)
+        kid.master = -1
+        # The forked helper is still alive, yet custody ended with the app.
+        assert _alive(helper_pid)
+        wait_for(lambda: _states(holder) == {"tab": "draining"}, what="draining after app death")
+    finally:
+        _kill(helper_pid)
+        app.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
