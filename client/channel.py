@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from . import errors, protocol
+from . import breaker, errors, protocol
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket
 
@@ -35,8 +35,21 @@ class Channel:
     """A connected, greeted socket. Resource handling: owns its socket (close-on-exec, as
     every Python socket is) and closes it in `close()`; fds received belong to the caller."""
 
-    def __init__(self, socket_path: str, hello: protocol.Hello, deadline: Deadline) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        hello: protocol.Hello,
+        deadline: Deadline,
+        breaker_cooldown: float = breaker.DEFAULT_COOLDOWN,
+    ) -> None:
         self.socket_path = socket_path
+        self.breaker_cooldown = breaker_cooldown
+        left = breaker.open_for(socket_path)
+        if left is not None:
+            raise errors.HolderUnresponsive(
+                f"the holder on {socket_path} timed out recently; failing fast for another "
+                f"{left:.0f}s (circuit breaker)"
+            )
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             harden_socket(self.sock)
@@ -48,9 +61,7 @@ class Channel:
                     f"no holder is listening on {socket_path} ({exc.strerror})"
                 ) from None
             except TimeoutError:
-                raise errors.HolderUnresponsive(
-                    f"the holder on {socket_path} did not accept in time"
-                ) from None
+                raise self._timed_out("did not accept the connection") from None
             reply, _ = self.call(hello, deadline)
             if not isinstance(reply, protocol.Welcome):
                 raise errors.ProtocolViolation(f"expected welcome, got {type(reply).__name__}")
@@ -62,17 +73,20 @@ class Channel:
     def _arm(self, deadline: Deadline) -> None:
         left = deadline.remaining()
         if left <= 0:
-            raise errors.HolderUnresponsive(f"deadline passed talking to {self.socket_path}")
+            raise self._timed_out("did not finish")
         self.sock.settimeout(left)
+
+    def _timed_out(self, what: str) -> errors.HolderUnresponsive:
+        """A deadline passed: the only thing that opens the circuit breaker."""
+        breaker.trip(self.socket_path, self.breaker_cooldown)
+        return errors.HolderUnresponsive(f"the holder on {self.socket_path} {what} in time")
 
     def send(self, message: protocol.Message, deadline: Deadline, fd: int | None = None) -> None:
         self._arm(deadline)
         try:
             send_frame(self.sock, protocol.encode(message), fd)
         except TimeoutError:
-            raise errors.HolderUnresponsive(
-                f"the holder on {self.socket_path} did not take a request in time"
-            ) from None
+            raise self._timed_out("did not take a request") from None
         except OSError as exc:
             raise self._gone(exc) from None
 
@@ -82,9 +96,7 @@ class Channel:
         try:
             body, fds = recv_frame(self.sock, MAX_RESPONSE_BYTES)
         except TimeoutError:
-            raise errors.HolderUnresponsive(
-                f"the holder on {self.socket_path} did not answer in time"
-            ) from None
+            raise self._timed_out("did not answer") from None
         except EOFError:
             raise errors.HolderUnavailable(
                 f"the holder on {self.socket_path} closed the connection"
@@ -114,11 +126,11 @@ class Channel:
         by then it has acted on our going away (custody ended, drains started)."""
         try:
             self.sock.shutdown(socket.SHUT_WR)
-            self._arm(deadline)
+            self.sock.settimeout(max(deadline.remaining(), 0.001))
             while self.sock.recv(4096):
-                self._arm(deadline)
-        except (OSError, errors.HolderUnresponsive):
-            pass
+                pass
+        except OSError:
+            pass  # the holder acts on our hang-up anyway; waiting was a courtesy
         finally:
             self.close()
 

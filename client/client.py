@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from . import errors, protocol
+from . import autostart, breaker, errors, protocol
 from .channel import Channel, Deadline
 from .fdpass import close_fds
 from .paths import resolve_socket_path
@@ -73,6 +73,8 @@ class EscrowClient:
         timeout: float = DEFAULT_TIMEOUT,
         autostart: bool = False,
         client_name: str = "",
+        breaker_cooldown: float = breaker.DEFAULT_COOLDOWN,
+        autostart_idle_exit: float = 600.0,
     ) -> None:
         if not _valid_name(owner):
             raise errors.EscrowConfigError(f"owner {owner!r} must match {protocol.NAME_PATTERN}")
@@ -82,6 +84,8 @@ class EscrowClient:
         self.socket_path = resolve_socket_path(socket_path)
         self.timeout = timeout
         self.autostart = autostart
+        self.autostart_idle_exit = autostart_idle_exit
+        self.breaker_cooldown = breaker_cooldown
         self.client_name = client_name or f"python pid={os.getpid()}"
 
     # --- connections ----------------------------------------------------------------------
@@ -91,7 +95,19 @@ class EscrowClient:
             version=protocol.VERSION, owner=self.owner, client=self.client_name,
             timeout=self.timeout,
         )
-        return Channel(self.socket_path, hello, deadline)
+        try:
+            return Channel(self.socket_path, hello, deadline, self.breaker_cooldown)
+        except errors.HolderUnavailable:
+            if not self.autostart:
+                raise
+        autostart.spawn_holder(self.socket_path, self.autostart_idle_exit)
+        while True:  # wait, within the deadline, for whichever holder wins the lock
+            try:
+                return Channel(self.socket_path, hello, deadline, self.breaker_cooldown)
+            except errors.HolderUnavailable:
+                if deadline.remaining() <= 0.02:
+                    raise
+                time.sleep(0.02)
 
     @contextmanager
     def _channel(self, deadline: Deadline | None = None) -> Iterator[Channel]:
@@ -222,8 +238,9 @@ class EscrowClient:
         report = ReclaimReport()
         channel: Channel | None = None
         try:
-            channel = self._connect(until)
-            reply, _ = channel.call(protocol.List(), until)
+            call = Deadline(min(self.timeout, until.remaining()))
+            channel = self._connect(call)
+            reply, _ = channel.call(protocol.List(), call)
             assert isinstance(reply, protocol.Sessions)
             pending = [s.id for s in reply.sessions if s.state in protocol.LIVE_STATES]
             pause = 0.02
@@ -235,10 +252,11 @@ class EscrowClient:
                         report.failed[sid] = errors.HolderUnresponsive(
                             f"not enough of the reclaim deadline left to retrieve {sid}", sid)
                         continue
-                    if channel is None or channel.sock.fileno() < 0:
-                        channel = self._connect(until)
+                    call = Deadline(min(self.timeout, until.remaining()))
                     try:
-                        report.retrieved[sid] = self._retrieve_on(channel, sid, until)
+                        if channel.sock.fileno() < 0:
+                            channel = self._connect(call)
+                        report.retrieved[sid] = self._retrieve_on(channel, sid, call)
                     except (errors.CustodyHeld, errors.Busy) as exc:
                         retry.append(sid)
                         report.failed[sid] = exc
