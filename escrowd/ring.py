@@ -70,8 +70,9 @@ class Ring:
         reading when there is none. Returns what `readv` returned; 0 from a read means end of
         file. OSError from the read (EAGAIN, EIO) propagates with nothing changed.
         """
-        if self._size == len(self._buf):
-            self._grow()
+        # Grow first: bytes are dropped only by a ring at its limit (or out of budget).
+        while len(self._buf) < self._size + at_most and self._grow():
+            pass
         cap = len(self._buf)
         if cap == 0:
             if not overwrite:
@@ -99,13 +100,14 @@ class Ring:
             regions.append(view[: length - first])
         return regions
 
-    def _grow(self) -> None:
+    def _grow(self) -> bool:
         cap = len(self._buf)
         if cap >= self.limit:
-            return
+            return False
         extra = self._budget.grant(min(self.limit, max(MIN_CAPACITY, cap * 2)) - cap)
         if extra == 0:
-            return
+            return False
         grown = bytearray(cap + extra)
         grown[: self._size] = self.contents()
         self._buf, self._start = grown, 0
+        return True
