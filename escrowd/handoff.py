@@ -23,6 +23,7 @@ an ack.
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import trio
@@ -104,6 +105,8 @@ async def retrieve(
             _put_back(session, prior, nursery, f"no ack: {_why(exc)}")
             # After a timeout the connection is still whole: a late ack gets `ack_late`.
             return isinstance(exc, trio.TooSlowError)
+        if fd is not None:
+            os.close(fd)  # only a deposit carries one, and a deposit is not an ack
         if not (
             isinstance(reply, protocol.Ack) and reply.id == sid and reply.handoff_id == handoff_id
         ):

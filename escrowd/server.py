@@ -189,7 +189,9 @@ class Holder:
         got = await self._receive(conn)
         if got is None:
             return False
-        hello = got[0]
+        hello, fd = got
+        if fd is not None:
+            os.close(fd)  # a deposit before hello: refused below, its fd closed here
         if not isinstance(hello, protocol.Hello):
             await self._bad_request(conn, f"expected hello first, got {type(hello).__name__}")
             return False
