@@ -210,22 +210,26 @@ class EscrowClient:
                 return result  # cannot tell; the holder has our ack queued, if anything
             assert isinstance(reply, protocol.Sessions)
             info = next((s for s in reply.sessions if s.id == sid), None)
-            if info is None or info.state == "unknown":
-                return result
-            if info.state == "handed_off":
+            state = info.state if info is not None else "unknown"
+            if state == "handed_off" and info is not None:
                 if info.handoff_id == result.handoff_id:
                     result.confirmed = True
                     return result
                 os.close(result.fd)  # somebody else's handoff, not ours
                 raise errors.HandedOff(f"session {sid} was handed off to another client", sid)
-            if info.state == "handing_off" and deadline.remaining() > 0:
-                time.sleep(0.02)  # the holder is still acting on our hang-up; ask again
-                continue
-            os.close(result.fd)  # the holder kept it (draining, exited): close our copy
-            raise errors.HolderUnresponsive(
-                f"handoff of {sid} was not confirmed; the session is still escrowed "
-                f"({info.state}): retrieve it again", sid,
-            )
+            if state == "handing_off":
+                if deadline.remaining() > 0.02:
+                    time.sleep(0.02)  # the holder is still acting on our hang-up; ask again
+                    continue
+                return result  # our ack is queued there, if anything: keep the fd
+            if state in ("draining", "exited", "held"):
+                os.close(result.fd)  # the holder kept it and drains it: we must not read too
+                raise errors.HolderUnresponsive(
+                    f"handoff of {sid} was not confirmed; the session is still escrowed "
+                    f"({state}): retrieve it again", sid,
+                )
+            # released, expired or unknown: the holder has no copy left; ours is the only one.
+            return result
 
     def reclaim_all(self, deadline: float = DEFAULT_RECLAIM_DEADLINE) -> ReclaimReport:
         """Retrieve every session of this owner under one shared deadline.
@@ -343,4 +347,4 @@ class Custody:
 
 
 def _valid_name(name: str) -> bool:
-    return re.fullmatch(protocol.NAME_PATTERN.strip("^$"), name) is not None
+    return re.fullmatch(protocol.NAME_CHARS, name) is not None

@@ -23,7 +23,10 @@ SUPPORTED_VERSIONS = (1,)
 HEADER = struct.Struct(">I")
 MAX_REQUEST_BYTES = 1 << 20  # a request body, holder side
 
-NAME_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+NAME_CHARS = r"[A-Za-z0-9._:@-]{1,128}"
+# \A and \Z, not ^ and $: "$" also matches before a final newline, so "tab-1\n" would pass
+# and be a second, different session that prints the same.
+NAME_PATTERN = rf"\A{NAME_CHARS}\Z"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 Pid = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]

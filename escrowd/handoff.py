@@ -116,6 +116,7 @@ async def retrieve(
 
         session.handoff_id = handoff_id
         registry.bury(session, "handed_off", f"acked handoff_id={handoff_id}")
+        registry.handoffs += 1
         acked = True
         await conn.send(protocol.Done(id=sid))
         return True

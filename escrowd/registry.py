@@ -33,6 +33,7 @@ class Registry:
         self.max_tombstones = max_tombstones
         self.live: dict[Key, Session] = {}
         self.tombstones: OrderedDict[Key, SessionInfo] = OrderedDict()
+        self.handoffs = 0  # completed (acked) handoffs, for holder_status
 
     def check_room(self, key: Key) -> None:
         """Raise `exists` or `limit` if a session with `key` cannot be added now."""

@@ -46,7 +46,6 @@ class Holder:
             "refused_peers": 0,
             "bad_requests": 0,
             "deposits": 0,
-            "handoffs": 0,
             "handoffs_failed": 0,
             "releases": 0,
         }
@@ -309,7 +308,8 @@ class Holder:
             started_at=self.started_at,
             socket=self.config.socket_path,
             sessions_by_state=self.registry.count_by_state(),
-            counters=dict(self.counters, ring_bytes_used=self.registry.budget.used,
+            counters=dict(self.counters, handoffs=self.registry.handoffs,
+                          ring_bytes_used=self.registry.budget.used,
                           active_connections=len(self.connections)),
             limits=self.config.limits(),
             open_fds=open_fd_count(),
