@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import msgspec
+
+from escrow_client.liveness import process_alive
 from escrow_client.protocol import SessionInfo
 
 from .ring import Ring, RingBudget
@@ -32,7 +35,9 @@ class Registry:
         self.budget = RingBudget(total_ring_bytes)
         self.max_tombstones = max_tombstones
         self.live: dict[Key, Session] = {}
-        self.tombstones: OrderedDict[Key, SessionInfo] = OrderedDict()
+        # A tombstone keeps the child's start time too, so `child_alive` stays a fact about
+        # now rather than a snapshot from when the session ended.
+        self.tombstones: OrderedDict[Key, tuple[SessionInfo, float | None]] = OrderedDict()
         self.handoffs = 0  # completed (acked) handoffs, for holder_status
 
     def check_room(self, key: Key) -> None:
@@ -40,7 +45,9 @@ class Registry:
         if key in self.live:
             raise RegistryError("exists", f"a live session {key[0]}/{key[1]} already exists")
         if len(self.live) >= self.max_sessions:
-            raise RegistryError("limit", f"the holder already has {self.max_sessions} sessions")
+            raise RegistryError(
+                "limit", f"the holder is at its limit of {self.max_sessions} session(s)"
+            )
 
     def new_ring(self) -> Ring:
         return Ring(self.ring_bytes, self.budget)
@@ -54,7 +61,8 @@ class Registry:
         return self.live.get((owner, sid))
 
     def tombstone(self, owner: str, sid: str) -> SessionInfo | None:
-        return self.tombstones.get((owner, sid))
+        entry = self.tombstones.get((owner, sid))
+        return None if entry is None else _fresh(entry)
 
     def bury(self, session: Session, state: str, reason: str) -> None:
         """End a live session: close the holder's copy and keep a tombstone. The drain must
@@ -67,21 +75,21 @@ class Registry:
         info.buffered_bytes = 0
         info.custodian_pid = None
         del self.live[session.key]
-        self.tombstones[session.key] = info
+        self.tombstones[session.key] = (info, session.child_start_time)
         while len(self.tombstones) > self.max_tombstones:
             self.tombstones.popitem(last=False)
 
     def sessions(self, owner: str | None) -> list[SessionInfo]:
         """Live sessions and tombstones of `owner` (every owner if None)."""
         infos = [s.info() for s in self.live.values() if owner in (None, s.owner)]
-        infos += [t for t in self.tombstones.values() if owner in (None, t.owner)]
+        infos += [_fresh(t) for t in self.tombstones.values() if owner in (None, t[0].owner)]
         return infos
 
     def count_by_state(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for session in self.live.values():
             counts[session.state] = counts.get(session.state, 0) + 1
-        for tomb in self.tombstones.values():
+        for tomb, _ in self.tombstones.values():
             counts[tomb.state] = counts.get(tomb.state, 0) + 1
         return counts
 
@@ -92,3 +100,10 @@ class Registry:
             for s in self.live.values()
             if s.state in ("draining", "exited") and now - s.state_since > ttl
         ]
+
+
+def _fresh(entry: tuple[SessionInfo, float | None]) -> SessionInfo:
+    info, start_time = entry
+    return msgspec.structs.replace(
+        info, child_alive=process_alive(info.child_pid, start_time)
+    )

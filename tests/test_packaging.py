@@ -1,0 +1,121 @@
+"""The project as a user installs it: a wheel in a clean venv, and the editable .venv.
+
+The wheel test is the slow one in the suite (about 5-30 s, most of it `python -m build` and
+`pip install`; the first run on a machine also downloads the build backend and the
+dependencies from PyPI). It still runs in the normal suite: a packaging mistake (a module
+left out of the wheel, a console script pointing nowhere, trio leaking into the client)
+would otherwise only show up on a user's machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+NO_TRIO = (
+    "import sys, escrow_client; import escrow_client.client, escrow_client.cli; "
+    "assert 'trio' not in sys.modules, 'escrow_client imported trio'"
+)
+# What a build must not see: local state that could leak stale files into the wheel.
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis",
+    ".typecheck",
+)
+
+
+def run(argv: list[str | Path], cwd: Path, timeout: float = 120.0) -> str:
+    """Run `argv` in `cwd` (never the repo, so the source tree is not on sys.path)."""
+    result = subprocess.run(
+        [str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        stdin=subprocess.DEVNULL, env=_clean_env(),
+    )
+    assert result.returncode == 0, (
+        f"{argv} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
+    return result.stdout
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "ESCROW_SOCKET")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
+    # Build from a copy of the source, so stale files in an old build/ cannot slip in.
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=_NOT_SOURCE)
+    dist = tmp_path / "dist"
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", dist, src], cwd=tmp_path)
+    [wheel] = dist.glob("fd_escrow-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("escrow_client/__init__.py", "escrow_client/cli.py", "escrow_client/demo.py",
+                   "escrow_client/protocol.py", "escrow_client/py.typed",
+                   "escrowd/__main__.py", "escrowd/py.typed"):
+        assert module in names, f"{module} is missing from {wheel.name}"
+    assert not [n for n in names if n.startswith(("client/", "tests/", "bench/"))]
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python, bin_dir = env_dir / "bin" / "python", env_dir / "bin"
+    run([python, "-m", "pip", "install", "--quiet", wheel], cwd=tmp_path)
+
+    where = run([python, "-c", "import escrowd, escrow_client; "
+                 "print(escrowd.__file__); print(escrow_client.__file__)"], cwd=tmp_path)
+    for path in where.splitlines():
+        assert Path(path).is_relative_to(env_dir), f"imported {path}, not the installed copy"
+    run([python, "-c", NO_TRIO], cwd=tmp_path)
+    assert "usage: escrowd" in run([bin_dir / "escrowd", "--help"], cwd=tmp_path)
+    assert "usage: escrowctl" in run([bin_dir / "escrowctl", "--help"], cwd=tmp_path)
+
+    # The installed pair works together: its holder, its escrowctl, and the demo's
+    # `python -m escrow_client.demo` processes, all from the clean venv.
+    # A short directory: tmp_path is too long for a Unix socket path (108 bytes).
+    sock_dir = Path(tempfile.mkdtemp(prefix="esc-pkg-"))
+    try:
+        sock = sock_dir / "escrowd.sock"
+        log = sock_dir / "escrowd.log"
+        with open(log, "wb") as out:
+            holder = subprocess.Popen([bin_dir / "escrowd", "--socket", sock], cwd=tmp_path,
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                      env=_clean_env())
+        try:
+            wait_for(lambda: " event=ready " in log.read_text(), 15.0, "installed escrowd")
+            assert "running" in run([bin_dir / "escrowctl", "--socket", sock, "status"],
+                                    cwd=tmp_path)
+            demo = run([bin_dir / "escrowctl", "--socket", sock, "demo"], cwd=tmp_path,
+                       timeout=30)
+            assert "(same process)" in demo
+        finally:
+            holder.send_signal(signal.SIGTERM)
+            holder.wait(10)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_dev_venv_is_an_editable_install(tmp_path: Path) -> None:
+    python = REPO / ".venv" / "bin" / "python"
+    assert python.exists(), "scripts/setup creates .venv"
+    where = run([python, "-c", "import escrowd, escrow_client; "
+                 "print(escrowd.__file__); print(escrow_client.__file__)"], cwd=tmp_path)
+    escrowd_file, client_file = map(Path, where.splitlines())
+    assert escrowd_file.resolve().is_relative_to(REPO / "escrowd")
+    assert client_file.resolve().is_relative_to(REPO / "client"), (
+        f"escrow_client comes from {client_file}, not from the repo's client/ directory"
+    )
+    run([python, "-c", NO_TRIO], cwd=tmp_path)
