@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,7 +53,9 @@ class ReclaimReport:
 
 # Custody sockets must not outlive the app in a forked child: if a child kept one open,
 # the holder would never see the app die and would never start draining.
-_custody_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+# A strong set: custody lasts until close() or the process ends, never merely until the
+# Custody object is garbage-collected.
+_custody_channels: set[Channel] = set()
 
 
 def _close_custody_in_child() -> None:
@@ -164,7 +165,13 @@ class EscrowClient:
             channel.close()
 
     def _retrieve_on(self, channel: Channel, sid: str, deadline: Deadline) -> Retrieved:
-        self._check_invariant(channel.welcome, min(self.timeout, deadline.remaining()))
+        self._check_invariant(channel.welcome, self.timeout)
+        w = channel.welcome
+        if deadline.remaining() <= w.drain_stop_budget + w.send_deadline:
+            raise errors.HolderUnresponsive(
+                f"not enough time left to retrieve {sid} (the holder may need "
+                f"{w.drain_stop_budget + w.send_deadline:.3g}s)", sid,
+            )
         reply, fds = channel.call(protocol.Retrieve(id=sid), deadline)
         if not isinstance(reply, protocol.Handoff):
             close_fds(fds)
@@ -177,8 +184,10 @@ class EscrowClient:
             raise errors.ProtocolViolation(f"the holder handed off {sid} as a non-terminal")
         result = Retrieved(fd, reply.session, reply.replay, reply.dropped_bytes,
                            reply.handoff_id, confirmed=False)
+        ack_sent = False
         try:
             channel.send(protocol.Ack(id=sid, handoff_id=reply.handoff_id), deadline)
+            ack_sent = True
             done, _ = channel.receive(deadline)
         except errors.AckLate:
             os.close(fd)  # the holder is draining it again: we must not become a second reader
@@ -186,8 +195,17 @@ class EscrowClient:
         except (errors.HolderUnresponsive, errors.HolderUnavailable, errors.ProtocolViolation):
             channel.close()
             return self._resolve(result)
-        except BaseException:
-            os.close(fd)
+        except errors.EscrowError:
+            os.close(fd)  # the holder refused our ack: it kept the session
+            raise
+        except BaseException as exc:
+            if not ack_sent:
+                os.close(fd)  # no ack left us: the holder drains it again when we hang up
+                raise
+            # Interrupted (Ctrl-C, SystemExit) after the ack: the holder may well have
+            # handed it off, so closing our copy could hang up the terminal for good.
+            # Keep it open and give it to whoever catches this.
+            exc.retrieved = result  # type: ignore[attr-defined]
             raise
         if not isinstance(done, protocol.Done):
             channel.close()
@@ -206,9 +224,10 @@ class EscrowClient:
                     reply, _ = channel.call(protocol.List(), deadline)
             except errors.HolderUnavailable:
                 return result  # the holder is gone and took its copy with it: ours
-            except errors.HolderUnresponsive:
+            except errors.EscrowError:
                 return result  # cannot tell; the holder has our ack queued, if anything
-            assert isinstance(reply, protocol.Sessions)
+            if not isinstance(reply, protocol.Sessions):
+                return result
             info = next((s for s in reply.sessions if s.id == sid), None)
             state = info.state if info is not None else "unknown"
             if state == "handed_off" and info is not None:
@@ -217,6 +236,11 @@ class EscrowClient:
                     return result
                 os.close(result.fd)  # somebody else's handoff, not ours
                 raise errors.HandedOff(f"session {sid} was handed off to another client", sid)
+            if state == "handing_off" and info is not None and info.handoff_id not in (
+                None, result.handoff_id
+            ):
+                os.close(result.fd)  # another client's handoff: ours was put back first
+                raise errors.Busy(f"session {sid} is being handed off to another client", sid)
             if state == "handing_off":
                 if deadline.remaining() > 0.02:
                     time.sleep(0.02)  # the holder is still acting on our hang-up; ask again
@@ -274,6 +298,10 @@ class EscrowClient:
                 if pending:
                     time.sleep(min(pause, max(0.0, until.remaining())))
                     pause = min(pause * 2, 0.25)
+        except BaseException as exc:
+            # Whatever stops us, the fds already retrieved are the caller's: hand them over.
+            exc.reclaim_report = report  # type: ignore[attr-defined]
+            raise
         finally:
             if channel is not None:
                 channel.close()

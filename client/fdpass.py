@@ -25,7 +25,7 @@ import socket
 from collections.abc import Iterable
 
 from .platform import RECV_FLAGS, SEND_FLAGS, mark_cloexec
-from .protocol import HEADER, FrameError, parse_header
+from .protocol import HEADER, FrameError, ProtocolError, parse_header
 
 # Room for a few fds, so that a frame with too many is seen (and its fds closed) rather than
 # silently truncated by the kernel.
@@ -44,7 +44,8 @@ def close_fds(fds: Iterable[int]) -> None:
 
 
 def fds_from_ancillary(ancdata: Ancillary, msg_flags: int) -> list[int]:
-    """Return the fds installed by one recvmsg; on MSG_CTRUNC close them and raise."""
+    """Return the fds installed by one recvmsg; on MSG_CTRUNC close them and raise
+    TruncatedFds (the frame's bytes are still whole in the stream)."""
     fds: list[int] = []
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -54,8 +55,16 @@ def fds_from_ancillary(ancdata: Ancillary, msg_flags: int) -> list[int]:
     mark_cloexec(fds)
     if msg_flags & socket.MSG_CTRUNC:
         close_fds(fds)
-        raise FrameError("ancillary data was truncated (MSG_CTRUNC): too many fds")
+        raise TruncatedFds(
+            "ancillary data was truncated (MSG_CTRUNC): too many fds, or the receiver is out "
+            "of file descriptors"
+        )
     return fds
+
+
+class TruncatedFds(ProtocolError):
+    """A frame's fds did not all arrive (MSG_CTRUNC). Every fd that did is closed. Raised
+    only once the whole frame has been read, so the stream stays in step."""
 
 
 def rights(fd: int | None) -> Ancillary:
@@ -78,6 +87,7 @@ class FrameAssembler:
         self.max_body = max_body
         self._buf = bytearray()
         self._body_len: int | None = None
+        self._truncated: TruncatedFds | None = None
         self.fds: list[int] = []
 
     @property
@@ -88,13 +98,16 @@ class FrameAssembler:
 
     @property
     def started(self) -> bool:
-        return bool(self._buf or self.fds or self._body_len is not None)
+        return bool(self._buf or self.fds or self._truncated or self._body_len is not None)
 
     def feed(
         self, data: bytes, ancdata: Ancillary, msg_flags: int
     ) -> tuple[bytes, list[int]] | None:
         try:
-            self.fds.extend(fds_from_ancillary(ancdata, msg_flags))
+            try:
+                self.fds.extend(fds_from_ancillary(ancdata, msg_flags))
+            except TruncatedFds as exc:
+                self._truncated = exc  # read the rest of the frame, then refuse it
             if not data:
                 if self.started:
                     raise FrameError("connection closed in the middle of a frame")
@@ -108,8 +121,11 @@ class FrameAssembler:
                 return None
             if len(self._buf) < self._body_len:
                 return None
-            body, fds = bytes(self._buf), self.fds
-            self._buf, self._body_len, self.fds = bytearray(), None, []
+            body, fds, truncated = bytes(self._buf), self.fds, self._truncated
+            self._buf, self._body_len, self.fds, self._truncated = bytearray(), None, [], None
+            if truncated is not None:
+                close_fds(fds)
+                raise truncated
             return body, fds
         except BaseException:
             self.discard()

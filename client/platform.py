@@ -71,6 +71,17 @@ def is_pty_master(fd: int) -> bool:
     return True
 
 
+def pty_number(fd: int) -> int | None:
+    """The N of /dev/pts/N for a Linux pty master; None where the platform cannot tell."""
+    if not IS_LINUX:
+        return None
+    try:
+        raw = fcntl.ioctl(fd, _TIOCGPTN, b"\0\0\0\0")
+    except OSError:
+        return None
+    return int(struct.unpack("I", raw)[0])
+
+
 def bytes_readable(fd: int) -> int:
     """How many bytes a read on `fd` can return right now without blocking."""
     raw = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")

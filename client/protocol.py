@@ -31,6 +31,14 @@ Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 Pid = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+# An app's own notes on a session (cwd, title...): small, since the holder keeps it per session.
+Meta = Annotated[
+    dict[
+        Annotated[str, msgspec.Meta(max_length=64)],
+        Annotated[str, msgspec.Meta(max_length=1024)],
+    ],
+    msgspec.Meta(max_length=32),
+]
 
 SessionState = Literal[
     "held", "draining", "handing_off", "exited", "handed_off", "released", "expired", "unknown"
@@ -81,7 +89,7 @@ class Deposit(Message, tag="deposit"):
     child_pid: Pid | None = None
     cols: Dim = 0
     rows: Dim = 0
-    meta: dict[str, str] = {}
+    meta: Meta = {}
 
 
 class Release(Message, tag="release"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from escrow_client import protocol
+
 MiB = 1 << 20
 
 
@@ -19,7 +21,7 @@ class Config:
     ring_bytes: int = 1 * MiB
     total_ring_bytes: int = 512 * MiB
     max_connections: int = 256
-    max_request_bytes: int = 1 * MiB
+    max_request_bytes: int = protocol.MAX_REQUEST_BYTES
     idle_timeout: float = 60.0  # a connection that is not a custodian
     max_tombstones: int = 10_000
     unclaimed_ttl: float = 86_400.0  # 0 disables

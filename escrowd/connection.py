@@ -6,11 +6,17 @@ trio loop around them.
 
 from __future__ import annotations
 
+import errno
+
 import trio
 
 from escrow_client import protocol
 from escrow_client.fdpass import ANCILLARY_SPACE, FrameAssembler, close_fds, rights
 from escrow_client.platform import RECV_FLAGS, SEND_FLAGS, harden_socket, peer_credentials
+
+
+class SendTimeout(OSError):
+    pass
 
 
 class Connection:
@@ -20,9 +26,12 @@ class Connection:
     caller of `receive()`.
     """
 
-    def __init__(self, sock: trio.socket.SocketType, number: int) -> None:
+    def __init__(
+        self, sock: trio.socket.SocketType, number: int, send_deadline: float = 1.0
+    ) -> None:
         self.sock = sock
         self.number = number
+        self.send_deadline = send_deadline
         harden_socket(sock)  # type: ignore[arg-type]
         self.peer_pid, self.peer_uid = peer_credentials(sock)  # type: ignore[arg-type]
         self.owner = ""
@@ -58,13 +67,19 @@ class Connection:
         return message, (fds[0] if fds else None)
 
     async def send(self, message: protocol.Message, fd: int | None = None) -> None:
-        """Send one whole frame; `fd` rides on its first byte. MSG_NOSIGNAL on every send."""
+        """Send one whole frame; `fd` rides on its first byte. MSG_NOSIGNAL on every send.
+
+        Bounded by `send_deadline`: a peer that does not read gets SendTimeout (an OSError),
+        never a connection task stuck forever. After it the stream is out of step."""
         view = memoryview(protocol.encode(message))
         ancdata = rights(fd)
-        while view:
-            sent = await self.sock.sendmsg([view], ancdata, SEND_FLAGS)
-            ancdata = []
-            view = view[sent:]
+        with trio.move_on_after(self.send_deadline):
+            while view:
+                sent = await self.sock.sendmsg([view], ancdata, SEND_FLAGS)
+                ancdata = []
+                view = view[sent:]
+            return
+        raise SendTimeout(errno.ETIMEDOUT, "send deadline passed: the peer is not reading")
 
     async def send_error(self, code: str, message: str, sid: str | None = None) -> None:
         await self.send(protocol.Error(code=code, message=message, id=sid))

@@ -31,7 +31,7 @@ import trio
 from escrow_client import protocol
 
 from .config import Config
-from .connection import Connection
+from .connection import Connection, SendTimeout
 from .registry import Registry
 from .session import Session
 
@@ -64,6 +64,7 @@ async def retrieve(
 
     prior = session.state  # draining or exited
     handoff_id = uuid.uuid4().hex
+    session.handoff_id = handoff_id  # visible in `list` while under way
     session.set_state("handing_off", f"retrieve handoff_id={handoff_id} peer_pid={conn.peer_pid}")
     acked = False
     try:
@@ -73,7 +74,11 @@ async def retrieve(
             session.pull(overwrite=False)
         if session.hung_up:
             prior = "exited"
-        if session.drain_task_alive():
+        if session.has_drain():
+            # The drain task did not finish in time. Let it finish in the background and
+            # drain again after it, so the terminal is never left without a reader.
+            _put_back(session, prior, registry, nursery, "drain stop took too long")
+            nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
             await conn.send_error(
                 "drain_stop_timeout", f"could not stop draining {session.name} in time", sid
             )
@@ -83,7 +88,6 @@ async def retrieve(
         session.leave_event_loop()
         info = session.info()
         info.state = prior  # type: ignore[assignment]
-        info.handoff_id = handoff_id
         message = protocol.Handoff(
             handoff_id=handoff_id,
             session=info,
@@ -91,30 +95,36 @@ async def retrieve(
             dropped_bytes=session.ring.dropped,
         )
         try:
-            with trio.fail_after(config.send_deadline):
-                await conn.send(message, fd=session.fd)
-        except (OSError, trio.TooSlowError) as exc:
-            _put_back(session, prior, nursery, f"handoff send failed: {_why(exc)}")
-            return False
+            await conn.send(message, fd=session.fd)
+        except OSError as exc:
+            _put_back(session, prior, registry, nursery, f"handoff send failed: {_why(exc)}")
+            return False  # the peer may hold half a frame: the stream is out of step
 
         # Step 4: wait for the ack.
         try:
             with trio.fail_after(max(config.ack_deadline, conn.client_timeout)):
                 reply, fd = await conn.receive(config.max_request_bytes)
         except (OSError, EOFError, protocol.ProtocolError, trio.TooSlowError) as exc:
-            _put_back(session, prior, nursery, f"no ack: {_why(exc)}")
-            # After a timeout the connection is still whole: a late ack gets `ack_late`.
-            return isinstance(exc, trio.TooSlowError)
+            _put_back(session, prior, registry, nursery, f"no ack: {_why(exc)}")
+            # A timeout or a bad message in a whole frame leaves the stream in step: the
+            # connection goes on, and a late ack gets `ack_late`.
+            if isinstance(exc, trio.TooSlowError | protocol.ProtocolError) and not isinstance(
+                exc, protocol.FrameError
+            ):
+                if isinstance(exc, protocol.ProtocolError):
+                    await conn.send_error("bad_request", f"expected ack: {exc}", sid)
+                return True
+            return False
         if fd is not None:
             os.close(fd)  # only a deposit carries one, and a deposit is not an ack
         if not (
             isinstance(reply, protocol.Ack) and reply.id == sid and reply.handoff_id == handoff_id
         ):
-            _put_back(session, prior, nursery, f"expected ack, got {type(reply).__name__}")
+            _put_back(session, prior, registry, nursery,
+                      f"expected ack, got {type(reply).__name__}")
             await conn.send_error("bad_request", f"expected ack for handoff {handoff_id}", sid)
-            return False
+            return True
 
-        session.handoff_id = handoff_id
         registry.bury(session, "handed_off", f"acked handoff_id={handoff_id}")
         registry.handoffs += 1
         acked = True
@@ -122,23 +132,36 @@ async def retrieve(
         return True
     finally:
         if not acked and session.state == "handing_off":
-            _put_back(session, prior, nursery, "handoff interrupted")
+            _put_back(session, prior, registry, nursery, "handoff interrupted")
 
 
-def _put_back(session: Session, prior: str, nursery: trio.Nursery, reason: str) -> None:
+def _put_back(
+    session: Session, prior: str, registry: Registry, nursery: trio.Nursery, reason: str
+) -> None:
     """Undo a handoff that did not complete: same fd, same ring, a fresh drain."""
     if session.fd < 0 or session.state != "handing_off":
         return
+    registry.handoffs_failed += 1
+    session.handoff_id = None
     if prior == "exited":
         session.set_state("exited", reason)
-    elif session.drain_task_alive():
-        session.set_state("draining", reason)
+    elif session.has_drain():
+        session.set_state("draining", reason)  # _drain_again_when_stopped takes it on
     else:
         session.start_drain(nursery, reason)
 
 
+async def _drain_again_when_stopped(
+    session: Session, registry: Registry, nursery: trio.Nursery
+) -> None:
+    await session.stop_drain()
+    if registry.get(session.owner, session.id) is session and session.state == "draining":
+        if not session.has_drain():
+            session.start_drain(nursery, "drain restarted after a slow stop")
+
+
 def _why(exc: BaseException) -> str:
-    if isinstance(exc, trio.TooSlowError):
+    if isinstance(exc, trio.TooSlowError | SendTimeout):
         return "deadline"
     if isinstance(exc, EOFError):
         return "peer closed"

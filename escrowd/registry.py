@@ -39,11 +39,20 @@ class Registry:
         # now rather than a snapshot from when the session ended.
         self.tombstones: OrderedDict[Key, tuple[SessionInfo, float | None]] = OrderedDict()
         self.handoffs = 0  # completed (acked) handoffs, for holder_status
+        self.handoffs_failed = 0  # handoffs put back: send failed, no ack, interrupted
 
-    def check_room(self, key: Key) -> None:
-        """Raise `exists` or `limit` if a session with `key` cannot be added now."""
+    def check_room(self, key: Key, pty_number: int | None = None) -> None:
+        """Raise `exists` or `limit` if a session with `key` (on that pty) cannot be added
+        now. One terminal under two ids would have two readers splitting its output."""
         if key in self.live:
             raise RegistryError("exists", f"a live session {key[0]}/{key[1]} already exists")
+        if pty_number is not None:
+            for other in self.live.values():
+                if other.pty_number == pty_number:
+                    raise RegistryError(
+                        "exists", f"that terminal (pts {pty_number}) is already escrowed as "
+                        f"{other.name}",
+                    )
         if len(self.live) >= self.max_sessions:
             raise RegistryError(
                 "limit", f"the holder is at its limit of {self.max_sessions} session(s)"
@@ -67,6 +76,7 @@ class Registry:
     def bury(self, session: Session, state: str, reason: str) -> None:
         """End a live session: close the holder's copy and keep a tombstone. The drain must
         have been stopped first."""
+        assert self.live.get(session.key) is session, "bury only the live session itself"
         info = session.info()
         session.close()
         session.set_state(state, reason)
@@ -74,6 +84,7 @@ class Registry:
         info.state_since = session.state_since
         info.buffered_bytes = 0
         info.custodian_pid = None
+        info.meta = {}  # tombstones are many and long-lived; keep them small
         del self.live[session.key]
         self.tombstones[session.key] = (info, session.child_start_time)
         while len(self.tombstones) > self.max_tombstones:
@@ -92,14 +103,6 @@ class Registry:
         for tomb, _ in self.tombstones.values():
             counts[tomb.state] = counts.get(tomb.state, 0) + 1
         return counts
-
-    def oldest_unclaimed(self, now: float, ttl: float) -> list[Session]:
-        """Sessions waiting (draining or exited) for longer than `ttl` seconds."""
-        return [
-            s
-            for s in self.live.values()
-            if s.state in ("draining", "exited") and now - s.state_since > ttl
-        ]
 
 
 def _fresh(entry: tuple[SessionInfo, float | None]) -> SessionInfo:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import time
 import traceback
 
@@ -17,8 +18,9 @@ import psutil
 import trio
 
 from escrow_client import protocol
+from escrow_client.fdpass import TruncatedFds
 from escrow_client.liveness import process_start_time
-from escrow_client.platform import is_pty_master, open_fd_count
+from escrow_client.platform import is_pty_master, open_fd_count, pty_number
 
 from . import __version__, handoff
 from .config import Config
@@ -46,7 +48,6 @@ class Holder:
             "refused_peers": 0,
             "bad_requests": 0,
             "deposits": 0,
-            "handoffs_failed": 0,
             "releases": 0,
         }
         self._next_conn = 0
@@ -84,7 +85,11 @@ class Holder:
                 if session.state not in ("draining", "exited"):
                     continue  # a retrieve or release got there first
                 await session.stop_drain()
-                if session.state in ("draining", "exited"):
+                if (
+                    self.registry.get(session.owner, session.id) is session
+                    and session.state in ("draining", "exited")
+                    and not session.has_drain()  # nobody restarted it meanwhile
+                ):
                     self.registry.bury(session, "expired", f"unclaimed for {ttl:g}s")
             due = [s.state_since + ttl for s in waiting if s.key in self.registry.live]
             delay = min(due, default=now + min(ttl, 60.0)) - time.time()
@@ -126,20 +131,18 @@ class Holder:
     async def _serve_connection(self, sock: trio.socket.SocketType, number: int) -> None:
         conn: Connection | None = None
         try:
-            conn = Connection(sock, number)
+            conn = Connection(sock, number, self.config.send_deadline)
             self.counters["connections"] += 1
             self.connections.add(conn)
             if conn.peer_uid != os.getuid():
                 self.counters["refused_peers"] += 1
                 log("peer_refused", conn=number, peer_pid=conn.peer_pid, peer_uid=conn.peer_uid,
                     reason="uid differs from the holder's")
-                with trio.move_on_after(self.config.send_deadline):
-                    await conn.send_error("forbidden", "peer uid differs from the holder's uid")
+                await conn.send_error("forbidden", "peer uid differs from the holder's uid")
                 return
             if len(self.connections) > self.config.max_connections:
                 log("conn_refused", conn=number, reason="connection limit")
-                with trio.move_on_after(self.config.send_deadline):
-                    await conn.send_error("limit", "too many connections")
+                await conn.send_error("limit", "too many connections")
                 return
             if await self._handshake(conn):
                 await self._request_loop(conn)
@@ -148,8 +151,9 @@ class Holder:
         except Exception as exc:
             # A bug in serving one connection must not take every session down with the
             # holder: log it, drop this connection, keep serving the others.
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
             log("internal_error", conn=number, error=repr(exc),
-                where=traceback.format_exc(limit=-1).strip().splitlines()[-2].strip())
+                where=f"{os.path.basename(frame.filename)}:{frame.lineno}")
         finally:
             with trio.CancelScope(shield=True):
                 if conn is not None:
@@ -170,6 +174,13 @@ class Holder:
                 log("conn_idle", conn=conn.number, owner=conn.owner or None,
                     reason="idle timeout")
                 return None
+            except TruncatedFds as exc:
+                if _out_of_fds():
+                    log("limit", conn=conn.number, owner=conn.owner or None,
+                        reason="out of file descriptors: a received fd was dropped")
+                    await conn.send_error("limit", "the holder is out of file descriptors")
+                else:
+                    await self._bad_request(conn, str(exc))
             except protocol.ProtocolError as exc:
                 await self._bad_request(conn, str(exc))
                 # A broken frame leaves the stream out of step; a bad message in a whole
@@ -181,8 +192,7 @@ class Holder:
         self.counters["bad_requests"] += 1
         log("bad_request", conn=conn.number, owner=conn.owner or None, peer_pid=conn.peer_pid,
             reason=why)
-        with trio.move_on_after(self.config.send_deadline):
-            await conn.send_error("bad_request", why)
+        await conn.send_error("bad_request", why)
 
     async def _handshake(self, conn: Connection) -> bool:
         got = await self._receive(conn)
@@ -228,7 +238,6 @@ class Holder:
                 case protocol.Retrieve(id=sid):
                     if not await handoff.retrieve(conn, sid, self.registry, self.config,
                                                   self.nursery):
-                        self.counters["handoffs_failed"] += 1
                         return
                 case protocol.Ack():
                     await self._late_ack(conn, request)
@@ -248,7 +257,7 @@ class Holder:
         try:
             if not is_pty_master(fd):
                 raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
-            self.registry.check_room((conn.owner, request.id))
+            self.registry.check_room((conn.owner, request.id), pty_number(fd))
         except RegistryError as exc:
             os.close(fd)
             log("deposit_refused", session=f"{conn.owner}/{request.id}", code=exc.code,
@@ -257,7 +266,7 @@ class Holder:
             return
         start_time = process_start_time(request.child_pid) if request.child_pid else None
         session = Session(conn.owner, request, fd, self.registry.new_ring(), conn, conn.peer_pid,
-                          start_time)
+                          start_time, pty_number(fd))
         self.registry.add(session)
         conn.custodian = True
         self.counters["deposits"] += 1
@@ -281,6 +290,11 @@ class Holder:
             await conn.send_error("busy", f"session {session.name} is being handed off", sid)
             return
         await session.stop_drain()
+        if self.registry.get(conn.owner, sid) is not session or session.state == "handing_off":
+            # A retrieve (or another release) got there while the drain was stopping; the
+            # retrieve owns the session now and drains it again if its handoff fails.
+            await conn.send_error("busy", f"session {session.name} changed; ask again", sid)
+            return
         self.registry.bury(session, "released", f"release from peer_pid={conn.peer_pid}")
         self.counters["releases"] += 1
         await conn.send(protocol.Released(id=sid))
@@ -309,9 +323,17 @@ class Holder:
             socket=self.config.socket_path,
             sessions_by_state=self.registry.count_by_state(),
             counters=dict(self.counters, handoffs=self.registry.handoffs,
+                          handoffs_failed=self.registry.handoffs_failed,
                           ring_bytes_used=self.registry.budget.used,
                           active_connections=len(self.connections)),
             limits=self.config.limits(),
             open_fds=open_fd_count(),
             rss_bytes=rss,
         )
+
+
+def _out_of_fds() -> bool:
+    """True when this process is at (or within a couple of) its open-file limit."""
+    count = open_fd_count()
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return count is not None and soft != resource.RLIM_INFINITY and count >= soft - 2

@@ -28,6 +28,8 @@ from escrow_client.protocol import Deposit, SessionInfo
 from .log import log
 from .ring import Ring
 
+# What one drain wake-up reads at most before it lets other tasks run.
+_DRAIN_SLICE = 256 * 1024
 # Upper bound for one read when FIONREAD says 0 but poll says readable (a hangup, or bytes
 # not yet pushed to the line discipline): such a read returns at once.
 _HANGUP_READ = 64 * 1024
@@ -43,6 +45,7 @@ class Session:
         custodian: object,
         custodian_pid: int | None,
         child_start_time: float | None,
+        pty_number: int | None = None,
     ) -> None:
         self.owner = owner
         self.id = deposit.id
@@ -51,6 +54,7 @@ class Session:
         self.child_start_time = child_start_time
         self.cols, self.rows, self.meta = deposit.cols, deposit.rows, deposit.meta
         self.fd = fd
+        self.pty_number = pty_number  # which /dev/pts/N: one terminal, one session
         self.ring = ring
         self.custodian: object | None = custodian
         self.custodian_pid = custodian_pid
@@ -103,7 +107,8 @@ class Session:
     def start_drain(self, nursery: trio.Nursery, reason: str) -> None:
         """Become the reader: save the fd's flags, make it non-blocking, start the drain."""
         assert self._drain_done is None, "one drain task per session"
-        self._saved_flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        if self._saved_flags is None:  # else a drain restarted before the flags were restored
+            self._saved_flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         fcntl.fcntl(self.fd, fcntl.F_SETFL, self._saved_flags | os.O_NONBLOCK)
         self._drain_scope = trio.CancelScope()
         self._drain_done = trio.Event()
@@ -114,16 +119,23 @@ class Session:
         try:
             with scope:
                 await self._drain_until_hangup()
-        except Exception as exc:
-            # Never let one terminal's surprise take the holder (and every session) down.
-            self.log("internal_error", where="drain", error=repr(exc))
         finally:
             done.set()
 
     async def _drain_until_hangup(self) -> None:
+        pause = 0.1
         while True:
             await trio.lowlevel.wait_readable(self.fd)
-            if self.pull(overwrite=True):
+            try:
+                hung_up = self.pull(overwrite=True, at_most=_DRAIN_SLICE)
+            except Exception as exc:
+                # Never let one terminal's surprise take the holder (and every session)
+                # down, nor stop draining it: a child must not block. Log and retry.
+                self.log("internal_error", where="drain", error=repr(exc))
+                await trio.sleep(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            if hung_up:
                 # Drain first, then mark: pull() returned only after the read failed, so
                 # every byte written before the hangup is in the ring. (A handoff may be
                 # stopping this task right now: it reads `hung_up` instead.)
@@ -139,18 +151,22 @@ class Session:
             await self._drain_done.wait()
         self._drain_scope = self._drain_done = None
 
-    def drain_task_alive(self) -> bool:
+    def has_drain(self) -> bool:
+        """True from `start_drain` until a `stop_drain` has completed."""
         return self._drain_done is not None
 
-    def pull(self, overwrite: bool) -> bool:
+    def pull(self, overwrite: bool, at_most: int | None = None) -> bool:
         """Read what is readable now into the ring; True once the terminal has hung up.
 
         With `overwrite`, the ring drops its oldest bytes to keep the newest. Without it (the
         sweep), it stops when the ring has no free space: what is left stays in the kernel
         for the next reader. Each read is bounded by FIONREAD, so it never blocks even if
-        another process clears O_NONBLOCK on the shared open file description.
+        another process clears O_NONBLOCK on the shared open file description. With
+        `at_most`, it returns after about that many bytes even if more keep coming, so one
+        fast child cannot keep the event loop from every other session.
         """
-        while True:
+        budget = at_most
+        while budget is None or budget > 0:
             try:
                 readable = bytes_readable(self.fd)
                 if readable == 0:
@@ -173,6 +189,9 @@ class Session:
                     self.hung_up = True
                     return True
                 return False
+            if budget is not None:
+                budget -= count
+        return False
 
     def _poll_readable(self) -> bool:
         poller = select.poll()
