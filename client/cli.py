@@ -1,8 +1,9 @@
 """`escrowctl`: look at the holder, its sessions, and take a relaunch for a test drive.
 
-Every subcommand is a thin layer over `EscrowClient`; nothing here speaks the protocol
-itself. Exit status: 0 on success; 1 for an error (printed as `escrowctl: <message>
-(<code>)`); 2 for bad arguments. `status` has its own codes (`STATUS_EXIT_CODES`).
+Every subcommand is a thin layer over `EscrowClient`, or over `liveness.holder_verdict`
+for `status` and `stop`; nothing here speaks the protocol itself. Exit status: 0 on success;
+1 for an error (printed as `escrowctl: <message> (<code>)`); 2 for bad arguments. `status`
+and `stop` have their own codes (`STATUS_EXIT_CODES`, `STOP_*`), listed in their `--help`.
 """
 
 from __future__ import annotations
@@ -11,23 +12,26 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from . import __version__, demo, errors, paths, protocol
+from . import __version__, demo, errors, liveness, paths, protocol
 from .client import DEFAULT_TIMEOUT, EscrowClient
+from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from .protocol import HolderStatus, SessionInfo
 
+__all__ = ["STATUS_EXIT_CODES", "Verdict", "build_parser", "holder_verdict", "main"]
+
 # The owner escrowctl names itself with when it only looks (status, list of every owner).
-ADMIN_OWNER = "escrowctl"
+ADMIN_OWNER = liveness.ADMIN_OWNER
 
 # DESIGN §7: 0 only for running; the others follow the LSB status codes, plus 150 (from
 # the LSB's application-specific range) for a holder that accepted but did not answer.
@@ -39,51 +43,26 @@ STATUS_EXIT_CODES: dict[str, int] = {
     "unresponsive": 150,
 }
 
+# `escrowctl stop`: what happened, as an exit status.
+STOP_STOPPED = 0  # the holder was signalled and has exited
+STOP_REFUSED = 1  # sessions are escrowed and --force was not given: nothing was signalled
+STOP_NOT_RUNNING = 3  # no holder runs on the socket (not running, or dead): nothing to stop
+STOP_CANNOT_TELL = 4  # the holder did not answer, or could not be told apart: nothing signalled
+STOP_STILL_RUNNING = 5  # SIGTERM was sent, but the holder still ran after --wait seconds
+
+DEFAULT_STOP_WAIT = 10.0
+
 _NAME_RE = re.compile(protocol.NAME_PATTERN)
 
 
 # --- status -------------------------------------------------------------------------------
 
 
-@dataclass
-class Verdict:
-    """What `escrowctl status` concludes about the holder on one socket path."""
-
-    state: str
-    socket: str
-    pid: int | None = None
-    holder: HolderStatus | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-def holder_verdict(socket_path: str, timeout: float) -> Verdict:
-    """Ask the holder on `socket_path` for its status and judge from the answer.
-
-    Read-only: it deletes nothing and takes no lock. For now the verdict is `running` when
-    the socket answers `status`, else `not_running`; DESIGN §7's full table (lock, pidfile,
-    leftovers) replaces this function without changing its callers.
-    """
-    evidence: dict[str, Any] = {"socket_exists": os.path.exists(socket_path)}
-    try:
-        status = EscrowClient(ADMIN_OWNER, socket_path=socket_path, timeout=timeout,
-                              client_name=f"escrowctl pid={os.getpid()}").status()
-    except errors.EscrowError as exc:
-        evidence.update(answered_status=False, error=str(exc), error_code=exc.code)
-        return Verdict("not_running", socket_path, evidence=evidence)
-    evidence["answered_status"] = True
-    return Verdict("running", socket_path, pid=status.pid, holder=status, evidence=evidence)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     socket_path = paths.resolve_socket_path(args.socket)
-    verdict = holder_verdict(socket_path, args.timeout)
-    buffered: int | None = None
-    if verdict.holder is not None:
-        try:
-            sessions = _admin(args).list(all_owners=True)
-            buffered = sum(s.buffered_bytes for s in sessions)
-        except errors.EscrowError:
-            pass  # it answered `status` a moment ago; the summary just lacks this figure
+    verdict = holder_verdict(socket_path, args.timeout, list_sessions=True)
+    buffered = (sum(s.buffered_bytes for s in verdict.sessions)
+                if verdict.sessions is not None else None)
     if args.json:
         _print_json({
             "state": verdict.state,
@@ -91,11 +70,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             "socket": verdict.socket,
             "holder": _holder_dict(verdict.holder) if verdict.holder is not None else None,
             "evidence": verdict.evidence,
+            "reason": verdict.reason,
             "buffered_bytes": buffered,
         })
     else:
         print(_status_text(verdict, buffered))
-    return STATUS_EXIT_CODES.get(verdict.state, 4)
+    return STATUS_EXIT_CODES.get(verdict.state, STATUS_EXIT_CODES["indeterminate"])
 
 
 def _holder_dict(status: HolderStatus) -> dict[str, Any]:
@@ -107,9 +87,7 @@ def _holder_dict(status: HolderStatus) -> dict[str, Any]:
 def _status_text(verdict: Verdict, buffered: int | None) -> str:
     status = verdict.holder
     if status is None:
-        why = verdict.evidence.get("error", "no answer")
-        return (f"escrowd: {verdict.state.replace('_', ' ')} on {verdict.socket}\n"
-                f"  {why}")
+        return _no_answer_text(verdict)
     by_state = ", ".join(f"{n} {state}" for state, n in sorted(status.sessions_by_state.items()))
     lines = [
         f"escrowd: {verdict.state} (pid {status.pid}, version {status.version})",
@@ -121,6 +99,107 @@ def _status_text(verdict: Verdict, buffered: int | None) -> str:
         f"  rss       {_size(status.rss_bytes) if status.rss_bytes is not None else '?'}",
     ]
     return "\n".join(lines)
+
+
+_ANSWER_TEXT = {
+    liveness.ACCEPTED_NO_ANSWER: "accepted a connection, no answer",
+    liveness.CLOSED: "accepted a connection, then closed it unanswered",
+    liveness.ERROR_ANSWER: "answered with an error",
+    liveness.REFUSED: "refuses connections",
+    liveness.MISSING: "missing",
+    liveness.ERROR: "cannot connect",
+}
+
+
+def _no_answer_text(verdict: Verdict) -> str:
+    ev = verdict.evidence
+    pid = f" (pid {verdict.pid})" if verdict.pid is not None else ""
+    answer = _ANSWER_TEXT.get(ev["socket_answer"], ev["socket_answer"])
+    if ev.get("socket_error"):
+        answer += f": {ev['socket_error']}"
+    lock = {"held": f"held by {_pid_text(ev['lock_holder_pid'])}", "free": "free",
+            "missing": "no lock file (free)"}.get(ev["lock"], ev["lock"])
+    if ev.get("lock_error"):
+        lock += f": {ev['lock_error']}"
+    record = ev["pidfile"]
+    if record["pid"] is not None:
+        alive = {True: "alive", False: "gone", None: "cannot tell"}[record["alive"]]
+        pidfile = f"pid {record['pid']} ({alive})"
+    else:
+        pidfile = "unreadable (empty or half-written)" if record["exists"] else "none"
+    lines = [
+        f"escrowd: {verdict.state.replace('_', ' ')} on {verdict.socket}{pid}",
+        f"  {verdict.reason}",
+        f"  socket    {answer}",
+        f"  lock      {lock}",
+        f"  pidfile   {pidfile}",
+    ]
+    if ev["leftovers"]:
+        lines.append(f"  leftover  {', '.join(ev['leftovers'])}")
+    return "\n".join(lines)
+
+
+def _pid_text(pid: int | None) -> str:
+    return f"pid {pid}" if pid is not None else "a process in another pid namespace"
+
+
+# --- stop ---------------------------------------------------------------------------------
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop the holder with SIGTERM, unless it holds sessions (and --force was not given).
+
+    The pid signalled is the one the holder gave in its `status` answer on a live
+    connection, and it must also be the pid F_GETLK names as the lock's holder: two proofs
+    that it is the holder. Without an answer nothing is signalled.
+    """
+    socket_path = paths.resolve_socket_path(args.socket)
+    verdict = holder_verdict(socket_path, args.timeout, list_sessions=True)
+    if verdict.state in ("not_running", "dead"):
+        print(f"escrowctl: no holder is running on {socket_path} "
+              f"({verdict.state.replace('_', ' ')}); nothing to stop", file=sys.stderr)
+        return STOP_NOT_RUNNING
+    pid = verdict.pid
+    if verdict.state != "running" or pid is None:
+        print(f"escrowctl: not stopping the holder on {socket_path}: it is {verdict.state} "
+              f"({verdict.reason}); nothing was signalled", file=sys.stderr)
+        return STOP_CANNOT_TELL
+    lock_pid = verdict.evidence.get("lock_holder_pid")
+    if lock_pid != pid or pid == os.getpid():
+        print(f"escrowctl: not stopping the holder on {socket_path}: it says it is pid {pid}, "
+              f"but the lock is held by {lock_pid if lock_pid is not None else 'nobody known'}; "
+              "nothing was signalled", file=sys.stderr)
+        return STOP_CANNOT_TELL
+    live = [s for s in verdict.sessions or [] if s.state in protocol.LIVE_STATES]
+    if not args.force:
+        if verdict.sessions is None:
+            print(f"escrowctl: not stopping escrowd (pid {pid}): it did not list its sessions "
+                  "in time, so it may hold some; use --force to stop it anyway",
+                  file=sys.stderr)
+            return STOP_CANNOT_TELL
+        if live:
+            print(f"escrowctl: not stopping escrowd (pid {pid}): {len(live)} session(s) "
+                  "escrowed; stopping it would drop them (the terminals no app holds would "
+                  "hang up). Reclaim or release them first, or use --force:", file=sys.stderr)
+            for s in live:
+                print(f"  {s.owner}/{s.id} {s.state}", file=sys.stderr)
+            return STOP_REFUSED
+    started = liveness.process_start_time(pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print(f"escrowd (pid {pid}) on {socket_path} had already exited")
+        return STOP_STOPPED
+    deadline = time.monotonic() + args.wait
+    while liveness.process_alive(pid, started) is not False:
+        if time.monotonic() >= deadline:
+            print(f"escrowctl: sent SIGTERM to escrowd (pid {pid}), but it still runs after "
+                  f"{args.wait:g}s", file=sys.stderr)
+            return STOP_STILL_RUNNING
+        time.sleep(0.02)
+    dropped = f"; dropped {len(live)} escrowed session(s)" if live else ""
+    print(f"stopped escrowd (pid {pid}) on {socket_path}{dropped}")
+    return STOP_STOPPED
 
 
 # --- list ---------------------------------------------------------------------------------
@@ -346,6 +425,45 @@ def _positive(text: str) -> float:
     return value
 
 
+_VERDICT_ROWS = (  # DESIGN §7, in the order the rows are tried
+    ("running", "the socket answered `status` within the timeout"),
+    ("unresponsive", "a process holds the lock; the socket accepted a connection\n"
+     "but did not answer within the timeout (wedged, or stopped)"),
+    ("indeterminate", "a process holds the lock, but the socket is missing or\n"
+     "refuses (a holder starting or stopping)"),
+    ("dead", "nobody holds the lock, the socket does not answer, and a\n"
+     "socket file or pidfile is left over (the next escrowd\non this path removes them)"),
+    ("not_running", "nobody holds the lock, and no socket file or pidfile exists"),
+    ("indeterminate", "anything else (e.g. the lock file cannot be read)"),
+)
+_STATUS_EPILOG = (
+    "verdicts (the first that matches wins) and exit status:\n"
+    + "".join(f"  {state:<13}  {STATUS_EXIT_CODES[state]:>3}  "
+              + what.replace("\n", "\n" + " " * 22) + "\n"
+              for state, what in _VERDICT_ROWS)
+    + "A missing, empty or half-written pidfile never makes a live holder look dead.\n"
+    "Codes 1, 3 and 4 are the LSB status codes; 150 (from the LSB's range for\n"
+    f"applications) is unresponsive. Default timeout: {STATUS_TIMEOUT:g}s.\n"
+)
+
+_STOP_EPILOG = f"""\
+exit status:
+  {STOP_STOPPED}  the holder exited (it removes its socket file and pidfile)
+  {STOP_REFUSED}  sessions are escrowed and --force was not given: they are listed, and
+     nothing was signalled
+  {STOP_NOT_RUNNING}  no holder runs on the socket: nothing to stop
+  {STOP_CANNOT_TELL}  the holder did not answer in time, or could not be told apart from
+     another process: nothing was signalled
+  {STOP_STILL_RUNNING}  SIGTERM was sent, but the holder still ran after --wait seconds
+"""
+
+
+def _add_sub_timeout(p: argparse.ArgumentParser, what: str) -> None:
+    """`--timeout` after the subcommand too (`escrowctl status --timeout 1`)."""
+    p.add_argument("--timeout", dest="sub_timeout", type=_positive, default=None,
+                   metavar="SECONDS", help=f"{what} (default {STATUS_TIMEOUT:g})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="escrowctl",
@@ -359,18 +477,43 @@ def build_parser() -> argparse.ArgumentParser:
         "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else a per-user directory in the temp dir; "
         f"here and now: {paths.default_socket_path()})",
     )
-    parser.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                        help=f"deadline for each call to the holder (default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument(
+        "--timeout", type=_positive, default=None, metavar="SECONDS",
+        help=f"deadline for each call to the holder (default {DEFAULT_TIMEOUT:g}; for "
+        f"`status` and `stop`, {STATUS_TIMEOUT:g})",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
         "status", help="is a holder running?",
-        description="Say whether a holder answers on the socket, and summarise it. Exit "
-        "status: 0 running, 1 dead (leftovers found), 3 not running, 4 indeterminate, "
-        "150 unresponsive.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Say whether a holder runs on the socket, from positive proof only, and "
+        "summarise it.\nRead-only: it deletes nothing, creates nothing, and takes no lock "
+        "(the lock is read\nwith F_GETLK), so it never stops a holder from starting.",
+        epilog=_STATUS_EPILOG,
     )
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_status)
+    p.add_argument("--json", action="store_true",
+                   help='print {"state", "pid", "socket", "holder", "evidence", ...} as JSON')
+    _add_sub_timeout(p, "how long the holder has to answer before it counts as unresponsive")
+    p.set_defaults(func=cmd_status, default_timeout=STATUS_TIMEOUT)
+
+    p = sub.add_parser(
+        "stop", help="stop the holder (refuses while it holds sessions)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Send SIGTERM to the holder and wait for it to exit. It refuses while "
+        "sessions are\nescrowed (held, draining, handing_off or exited) and lists them: "
+        "stopping the holder\ncloses its copies of their terminals, so those no app holds "
+        "hang up and their programs\nget SIGHUP. The pid signalled is the one the holder "
+        "gives in its answer, and must be\nthe lock's holder too; a holder that does not "
+        "answer is never signalled.",
+        epilog=_STOP_EPILOG,
+    )
+    p.add_argument("--force", action="store_true",
+                   help="stop it even though sessions are escrowed (they hang up)")
+    p.add_argument("--wait", type=_positive, default=DEFAULT_STOP_WAIT, metavar="SECONDS",
+                   help=f"how long to wait for it to exit (default {DEFAULT_STOP_WAIT:g})")
+    _add_sub_timeout(p, "how long the holder has to answer")
+    p.set_defaults(func=cmd_stop, default_timeout=STATUS_TIMEOUT)
 
     p = sub.add_parser("list", help="list escrowed sessions (every owner's by default)")
     p.add_argument("--owner", metavar="OWNER", help="only this owner's sessions")
@@ -397,6 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # One deadline per call: `--timeout` after the subcommand, else before it, else the
+    # subcommand's own default (short for status and stop, which only look or signal).
+    args.timeout = (getattr(args, "sub_timeout", None) or args.timeout
+                    or getattr(args, "default_timeout", DEFAULT_TIMEOUT))
     try:
         result: int = args.func(args)
         return result
