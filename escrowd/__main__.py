@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 
 import trio
@@ -20,7 +21,14 @@ from .config import Config, MiB
 from .lifecycle import StartupError, claimed
 from .log import log
 from .server import Holder
-from .service import notify
+from .service import (
+    ActivationError,
+    activated_listener,
+    keep_watchdog,
+    notify,
+    status_line,
+    watchdog_interval,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,15 +91,29 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     return config
 
 
-async def _run(config: Config) -> None:
-    with claimed(config.socket_path) as listening:
+async def _run(config: Config, activated: socket.socket | None) -> None:
+    with claimed(config.socket_path, activated) as listening:
         listener = trio.socket.from_stdlib_socket(listening)
         holder = Holder(config)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            nursery.start_soon(_watch_signals, holder, nursery.cancel_scope)
             await nursery.start(_serve_then_stop, holder, listener, nursery.cancel_scope)
             log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__)
-            notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {config.socket_path}")
+            ready_status = _status(holder)
+            notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={ready_status}")
+            interval = watchdog_interval()
+            if interval is not None:
+                log("watchdog", interval=interval)
+                nursery.start_soon(keep_watchdog, interval, lambda: _status(holder), ready_status)
+
+
+def _status(holder: Holder) -> str:
+    return status_line(holder.config.socket_path, holder.registry.count_by_state())
+
+
+def _stopping(holder: Holder, reason: str) -> None:
+    log("stopping", reason=reason)
+    notify(f"STOPPING=1\nSTATUS=stopping on {reason}; was {_status(holder)}")
 
 
 async def _serve_then_stop(
@@ -101,14 +123,14 @@ async def _serve_then_stop(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     await holder.serve(listener, task_status=task_status)
+    _stopping(holder, "idle exit")
     scope.cancel()  # idle exit: stop watching signals too
 
 
-async def _watch_signals(scope: trio.CancelScope) -> None:
+async def _watch_signals(holder: Holder, scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            log("stopping", reason=signal.Signals(signum).name)
-            notify("STOPPING=1")
+            _stopping(holder, signal.Signals(signum).name)
             scope.cancel()
             return
 
@@ -121,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     config = _config(parser.parse_args(argv), parser)
     try:
-        trio.run(_run, config)
-    except (StartupError, paths.PathError) as exc:
+        # Before trio.run: the event loop opens fds of its own, and fd 3 must still be the
+        # one systemd passed (or nothing) when it is looked at.
+        activated = activated_listener(config.socket_path)
+        trio.run(_run, config, activated)
+    except (StartupError, paths.PathError, ActivationError) as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -20,7 +20,6 @@ from escrow_client.liveness import process_start_time
 from escrow_client.platform import lock_holder_pid
 
 from .log import log
-from .service import activated_listener
 
 
 class StartupError(Exception):
@@ -67,32 +66,29 @@ def _bind(socket_path: str) -> socket.socket:
 
 
 @contextlib.contextmanager
-def claimed(socket_path: str) -> Iterator[socket.socket]:
-    """Claim `socket_path` for this holder and yield its listening socket; on exit remove
-    the socket file and pidfile (still under the lock), then drop the lock."""
+def claimed(
+    socket_path: str, activated: socket.socket | None = None
+) -> Iterator[socket.socket]:
+    """Claim `socket_path` for this holder and yield its listening socket (`activated`, the
+    one the service manager passed, if any); on exit remove the socket file (unless the
+    manager owns it) and the pidfile (still under the lock), then drop the lock."""
     paths.check_socket_path(socket_path)
     paths.ensure_private_dir(os.path.dirname(socket_path))
     lock_fd = take_lock(socket_path)
-    listener: socket.socket | None = None
-    activated = False
+    listener: socket.socket | None = activated
     try:
-        try:
-            listener = activated_listener()
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        activated = listener is not None
         if listener is None:
             _remove_leftover_socket(socket_path)
             listener = _bind(socket_path)
         pid = os.getpid()
         paths.write_pidfile(socket_path, pid, process_start_time(pid) or 0.0)
-        log("listening", socket=socket_path, pid=pid, activated=activated)
+        log("listening", socket=socket_path, pid=pid, activated=activated is not None)
         yield listener
     finally:
         if listener is not None:
             listener.close()
             for leftover in (socket_path, paths.pid_path(socket_path)):
                 with contextlib.suppress(OSError):
-                    if leftover != socket_path or not activated:
+                    if leftover != socket_path or activated is None:
                         os.unlink(leftover)
         os.close(lock_fd)

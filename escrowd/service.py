@@ -1,49 +1,158 @@
-"""Service-manager glue: systemd's notify socket and socket activation, without libsystemd."""
+"""Service-manager glue: systemd's notify socket, its watchdog and socket activation, without
+libsystemd.
+
+Everything here is a no-op outside systemd: with no `NOTIFY_SOCKET` nothing is sent, with no
+`WATCHDOG_USEC` nothing wakes up, and with no `LISTEN_FDS` the holder binds its own socket.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
+from collections.abc import Callable, Mapping
+
+import trio
 
 SD_LISTEN_FDS_START = 3
 
+# The states of a live session, in the order a STATUS= line names them.
+_LIVE_STATES = ("held", "draining", "handing_off", "exited")
+
 
 def notify(state: str) -> bool:
-    """Send `state` (e.g. "READY=1") to $NOTIFY_SOCKET; False if there is none or it fails."""
+    """Send `state` (e.g. "READY=1", several lines at once allowed) to $NOTIFY_SOCKET.
+
+    One datagram on a fresh AF_UNIX SOCK_DGRAM socket; an address starting with "@" is in the
+    abstract namespace. The send never blocks (a service manager that does not read its queue
+    must not freeze the holder's event loop) and never raises SIGPIPE. Returns False if there
+    is no notify socket or the datagram could not be sent.
+    """
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False
     if address.startswith("@"):
         address = "\0" + address[1:]  # abstract namespace
+    elif not address.startswith("/"):
+        return False  # e.g. vsock:..., which a per-user holder never gets
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)
             sock.connect(address)
-            sock.sendall(state.encode())
+            sock.sendmsg([state.encode()], [], getattr(socket, "MSG_NOSIGNAL", 0))
         return True
     except OSError:
         return False
 
 
-def activated_listener() -> socket.socket | None:
+def status_line(socket_path: str, counts: Mapping[str, int]) -> str:
+    """The STATUS= text: where the holder serves and how many live sessions it holds."""
+    socket_path = socket_path.replace("\n", "\\n")  # one line: a newline starts a new field
+    total = sum(counts.get(state, 0) for state in _LIVE_STATES)
+    if total == 0:
+        return f"serving {socket_path}: no sessions"
+    parts = ", ".join(f"{counts[s]} {s}" for s in _LIVE_STATES if counts.get(s))
+    noun = "session" if total == 1 else "sessions"
+    return f"serving {socket_path}: {total} {noun} ({parts})"
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of $WATCHDOG_USEC), or None when the service
+    manager expects none: the variable is unset or invalid, or $WATCHDOG_PID names another
+    process (the variable was inherited, not meant for us)."""
+    usec, pid = os.environ.get("WATCHDOG_USEC"), os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        value = int(usec)
+    except ValueError:
+        return None
+    return value / 2e6 if value > 0 else None
+
+
+async def keep_watchdog(interval: float, status: Callable[[], str], last_status: str) -> None:
+    """Ping the watchdog every `interval` seconds until cancelled. A ping comes from the event
+    loop itself, so a wedged loop stops pinging and systemd restarts the holder. A STATUS=
+    line rides on a ping when `status()` has changed since `last_status`; the holder never
+    wakes up just to update it."""
+    while True:
+        await trio.sleep(interval)
+        message = "WATCHDOG=1"
+        text = status()
+        if text != last_status:
+            message += f"\nSTATUS={text}"
+            last_status = text
+        notify(message)
+
+
+class ActivationError(ValueError):
+    """The service manager passed something the holder cannot serve on."""
+
+
+def activated_listener(expected_path: str | None = None) -> socket.socket | None:
     """The listening socket systemd passed (LISTEN_FDS/LISTEN_PID), or None.
 
-    The variables are removed so that children never mistake them for their own. A passed
-    fd that is not a listening Unix stream socket is refused with ValueError.
+    Call it first thing, before anything (trio's event loop, say) opens an fd: only then is
+    fd 3 known to be the passed socket rather than a number that was free and got reused.
+    The variables are removed so that children never mistake them for their own. Exactly one
+    fd must be passed, and it must be a listening Unix stream socket (bound to
+    `expected_path`, when given); anything else is refused with ActivationError.
     """
     pid, count = os.environ.get("LISTEN_PID"), os.environ.get("LISTEN_FDS")
-    os.environ.pop("LISTEN_PID", None)
-    os.environ.pop("LISTEN_FDS", None)
-    os.environ.pop("LISTEN_FDNAMES", None)
-    if pid is None or count is None or pid != str(os.getpid()) or int(count) < 1:
+    names = os.environ.get("LISTEN_FDNAMES")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    if pid is None or count is None or pid != str(os.getpid()):
+        return None  # not for us: an fd 3 we may have is someone else's business
+    try:
+        n = int(count)
+    except ValueError:
+        raise ActivationError(f"LISTEN_FDS={count!r} is not a number of fds") from None
+    if n == 0:
         return None
     fd = SD_LISTEN_FDS_START
-    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-        raise ValueError(f"fd {fd} passed by the service manager is not a socket")
+    if n != 1:
+        raise ActivationError(
+            f"the service manager passed {count} fds (LISTEN_FDS={count}"
+            f"{f', LISTEN_FDNAMES={names}' if names else ''}); escrowd serves on exactly one "
+            "listening socket: give its .socket unit a single ListenStream="
+        )
+    what = f"fd {fd} passed by the service manager (LISTEN_FDS=1)"
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        raise ActivationError(
+            f"{what} is not open: {os.strerror(exc.errno or errno.EBADF)}"
+        ) from None
+    if not stat.S_ISSOCK(mode):
+        raise ActivationError(f"{what} is not a socket")
     sock = socket.socket(fileno=fd)
-    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-        raise ValueError(f"fd {fd} passed by the service manager is not a Unix stream socket")
-    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        raise ValueError(f"fd {fd} passed by the service manager is not listening")
+    try:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            raise ActivationError(f"{what} is not a Unix stream socket (ListenStream=PATH)")
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise ActivationError(f"{what} is a socket that is not listening")
+        if expected_path is not None:
+            bound = sock.getsockname()
+            if not _same_socket_file(bound, expected_path):
+                raise ActivationError(
+                    f"{what} is bound to {bound!r}, not to the holder's socket {expected_path}: "
+                    "make ListenStream= in the .socket unit and --socket name the same path"
+                )
+    except BaseException:
+        sock.close()
+        raise
     sock.set_inheritable(False)
     return sock
+
+
+def _same_socket_file(bound: object, path: str) -> bool:
+    if not isinstance(bound, str) or not bound or bound.startswith("\0"):
+        return False  # unnamed or abstract: no path a client could connect to
+    if os.path.abspath(bound) == os.path.abspath(path):
+        return True
+    try:
+        return os.path.samefile(bound, path)
+    except OSError:
+        return False
