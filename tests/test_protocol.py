@@ -417,7 +417,8 @@ async def test_holder_connection_accepts_the_right_count() -> None:
 
 def test_ctrunc_closes_every_received_fd(pair: tuple[socket.socket, socket.socket]) -> None:
     """More fds than the receiver makes room for (MAX_FDS_SEEN) truncate the control data
-    (MSG_CTRUNC): TruncatedFds once the frame is read, and no fd the kernel did install stays open."""
+    (MSG_CTRUNC): TruncatedFds once the frame is read, and no fd the kernel did install
+    stays open."""
     a, b = pair
     count = fdpass.MAX_FDS_SEEN + 1
     r, w = os.pipe()
