@@ -1,30 +1,64 @@
 """Start a holder when none answers (`EscrowClient(autostart=True)`).
 
-The holder is spawned detached: its own session, stdio on /dev/null, no inherited fds, and
-never waited for by the app. Several apps racing to start one is fine: every extra holder
-exits at once on the socket's lock, and every client then finds the one that won.
+The holder is spawned detached: its own session, stdio on /dev/null, no inherited fds, none
+of the app's service-manager variables, and not a child of the app. Several apps racing to
+start one is fine: every extra holder exits at once on the socket's lock, and every client
+then finds the one that won.
+
+Not a child: a short-lived launcher forks the holder and exits at once, so the holder is
+reparented to init (or the user's service manager, if it is a subreaper). A holder that was
+the app's child would stay a zombie in the app after it exits (--idle-exit, or losing the
+lock race) until the app happened to reap it, and an app that reaps its terminals' children
+with waitpid(-1) would collect the holder's status by surprise.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-# Spawned holders are never waited for; keep their Popen objects so that Python reaps the
-# ones that exit (extra spawns that lost the lock race) instead of leaving zombies.
-_spawned: list[subprocess.Popen[bytes]] = []
+# Addressed to the app by its service manager, not to a holder the app happens to start: with
+# NOTIFY_SOCKET the holder would send READY=1 and MAINPID=<its pid> to the app's unit.
+_SERVICE_MANAGER_VARIABLES = (
+    "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+    "LISTEN_FDNAMES",
+)
+
+# Run with `python -I -S`: a single-threaded process, so fork is safe; the holder becomes the
+# leader of a new session, and the launcher's exit orphans it.
+_LAUNCHER = (
+    "import os, sys\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    os.execv(sys.argv[1], sys.argv[1:])\n"
+    "os._exit(0)\n"
+)
+
+# How long the launcher may take to fork and exit (it needs milliseconds).
+_LAUNCH_TIMEOUT = 10.0
+
+spawned = 0  # holders this process has launched (extra ones exit on the lock)
 
 
 def spawn_holder(socket_path: str, idle_exit: float) -> None:
-    _spawned[:] = [p for p in _spawned if p.poll() is None]
-    _spawned.append(
-        subprocess.Popen(
-            [sys.executable, "-m", "escrowd", "--socket", socket_path,
-             "--idle-exit", f"{idle_exit:g}"],
+    global spawned
+    env = {k: v for k, v in os.environ.items() if k not in _SERVICE_MANAGER_VARIABLES}
+    holder = [sys.executable, "-m", "escrowd", "--socket", socket_path,
+              "--idle-exit", f"{idle_exit:g}"]
+    try:
+        launcher = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, *holder],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             close_fds=True,
             start_new_session=True,
+            env=env,
+            timeout=_LAUNCH_TIMEOUT,
+            check=False,
         )
-    )
+    except subprocess.TimeoutExpired:
+        return  # killed; the caller waits for a holder within its deadline and reports that
+    if launcher.returncode == 0:
+        spawned += 1

@@ -50,6 +50,9 @@ class Channel:
                 f"the holder on {socket_path} timed out recently; failing fast for another "
                 f"{left:.0f}s (circuit breaker)"
             )
+        if deadline.remaining() <= 0:
+            # Nothing was asked of the holder, so nothing timed out: the breaker stays shut.
+            raise errors.HolderUnresponsive(f"no time left to call the holder on {socket_path}")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             harden_socket(self.sock)
@@ -79,7 +82,9 @@ class Channel:
     def _timed_out(self, what: str) -> errors.HolderUnresponsive:
         """A deadline passed: the only thing that opens the circuit breaker."""
         breaker.trip(self.socket_path, self.breaker_cooldown)
-        return errors.HolderUnresponsive(f"the holder on {self.socket_path} {what} in time")
+        return errors.HolderUnresponsive(
+            f"the holder on {self.socket_path} {what} in time", timed_out=True
+        )
 
     def send(self, message: protocol.Message, deadline: Deadline, fd: int | None = None) -> None:
         self._arm(deadline)

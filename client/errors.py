@@ -82,7 +82,17 @@ class HolderUnavailable(EscrowError):
 
 
 class HolderUnresponsive(EscrowError):
+    """`timed_out` is True only where a deadline really passed waiting for the holder (one
+    timeout paid); False where the call failed fast (the circuit breaker was open, or there
+    was no time left to try)."""
+
     code = "unresponsive"
+
+    def __init__(
+        self, message: str, session_id: str | None = None, *, timed_out: bool = False
+    ) -> None:
+        super().__init__(message, session_id)
+        self.timed_out = timed_out
 
 
 class EscrowConfigError(EscrowError):
