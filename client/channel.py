@@ -41,10 +41,12 @@ class Channel:
         hello: protocol.Hello,
         deadline: Deadline,
         breaker_cooldown: float = breaker.DEFAULT_COOLDOWN,
+        use_breaker: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.breaker_cooldown = breaker_cooldown
-        left = breaker.open_for(socket_path)
+        self._request_limit: int | None = None  # known once the holder's welcome is in
+        left = breaker.open_for(socket_path) if use_breaker else None
         if left is not None:
             raise errors.HolderUnresponsive(
                 f"the holder on {socket_path} timed out recently; failing fast for another "
@@ -69,6 +71,7 @@ class Channel:
             if not isinstance(reply, protocol.Welcome):
                 raise errors.ProtocolViolation(f"expected welcome, got {type(reply).__name__}")
             self.welcome = reply
+            self._request_limit = reply.limits.get("max_request_bytes")
         except BaseException:
             self.close()
             raise
@@ -87,9 +90,17 @@ class Channel:
         )
 
     def send(self, message: protocol.Message, deadline: Deadline, fd: int | None = None) -> None:
+        frame = protocol.encode(message)
+        limit = self._request_limit
+        if limit is not None and len(frame) - protocol.HEADER.size > limit:
+            # The holder would end the connection, and with it any custody it carries.
+            raise errors.BadRequest(
+                f"{type(message).__name__} of {len(frame)} bytes is over the holder's "
+                f"request limit of {limit} bytes; nothing was sent"
+            )
         self._arm(deadline)
         try:
-            send_frame(self.sock, protocol.encode(message), fd)
+            send_frame(self.sock, frame, fd)
         except TimeoutError:
             raise self._timed_out("did not take a request") from None
         except OSError as exc:

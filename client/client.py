@@ -91,28 +91,31 @@ class EscrowClient:
 
     # --- connections ----------------------------------------------------------------------
 
-    def _connect(self, deadline: Deadline) -> Channel:
+    def _connect(self, deadline: Deadline, use_breaker: bool = True) -> Channel:
         hello = protocol.Hello(
             version=protocol.VERSION, owner=self.owner, client=self.client_name,
             timeout=self.timeout,
         )
         try:
-            return Channel(self.socket_path, hello, deadline, self.breaker_cooldown)
+            return Channel(self.socket_path, hello, deadline, self.breaker_cooldown, use_breaker)
         except errors.HolderUnavailable:
             if not self.autostart:
                 raise
         autostart.spawn_holder(self.socket_path, self.autostart_idle_exit)
         while True:  # wait, within the deadline, for whichever holder wins the lock
             try:
-                return Channel(self.socket_path, hello, deadline, self.breaker_cooldown)
+                return Channel(self.socket_path, hello, deadline, self.breaker_cooldown,
+                               use_breaker)
             except errors.HolderUnavailable:
                 if deadline.remaining() <= 0.02:
                     raise
                 time.sleep(0.02)
 
     @contextmanager
-    def _channel(self, deadline: Deadline | None = None) -> Iterator[Channel]:
-        channel = self._connect(deadline or Deadline(self.timeout))
+    def _channel(
+        self, deadline: Deadline | None = None, use_breaker: bool = True
+    ) -> Iterator[Channel]:
+        channel = self._connect(deadline or Deadline(self.timeout), use_breaker)
         try:
             yield channel
         finally:
@@ -220,7 +223,9 @@ class EscrowClient:
         deadline = Deadline(self.timeout)
         while True:
             try:
-                with self._channel(deadline) as channel:
+                # Past the breaker: the timeout that brought us here has just opened it,
+                # and this question must really be asked.
+                with self._channel(deadline, use_breaker=False) as channel:
                     reply, _ = channel.call(protocol.List(), deadline)
             except errors.HolderUnavailable:
                 return result  # the holder is gone and took its copy with it: ours
@@ -261,6 +266,8 @@ class EscrowClient:
         `custody_held` is retried while time is left (the old instance may still be
         exiting); no retrieve starts with less than the holder's drain-stop budget plus
         send deadline left. Sessions not retrieved stay escrowed and are in `failed`.
+        If the holder cannot even list the sessions (nothing listening, or no answer), that
+        error is raised: there is nothing to name in `failed`.
         """
         until = Deadline(deadline)
         report = ReclaimReport()
