@@ -237,6 +237,10 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
         raise ProtocolError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable MessagePack: {exc}") from None
+    except RecursionError:
+        # msgspec raises this (not DecodeError) for containers nested past its depth limit,
+        # even inside a field it would skip: still just a bad body from the peer.
+        raise ProtocolError("undecodable MessagePack: nested too deeply") from None
 
 
 def check_fds(message: Message, fd_count: int) -> None:

@@ -24,7 +24,7 @@ from escrow_client.platform import is_pty_master, open_fd_count, pty_number
 
 from . import __version__, handoff
 from .config import Config
-from .connection import Connection
+from .connection import Connection, SendTimeout
 from .log import log
 from .registry import Registry, RegistryError
 from .session import Session
@@ -33,6 +33,11 @@ from .session import Session
 # Same list and reasoning as trio's serve_listeners: the next accept may well succeed once
 # a connection closes, and exiting would take every escrowed session with us.
 _ACCEPT_CAPACITY_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# Out of file descriptors: for this process (EMFILE) or the whole system (ENFILE).
+_FD_EXHAUSTION = {errno.EMFILE, errno.ENFILE}
+_OUT_OF_FDS = "the holder is out of file descriptors"
+# A connection error that only means the peer went away: nothing worth a log line.
+_PEER_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNABORTED}
 
 
 class Holder:
@@ -52,6 +57,10 @@ class Holder:
         }
         self._next_conn = 0
         self._nursery: trio.Nursery | None = None
+        # One fd kept in reserve, so that a holder out of fds can still accept a waiting
+        # connection long enough to tell it `limit` (instead of leaving it in the listen
+        # backlog, where its client times out and takes the holder for wedged).
+        self._reserve_fd: int | None = _open_reserve()
 
     @property
     def nursery(self) -> trio.Nursery:
@@ -114,17 +123,73 @@ class Holder:
             await trio.sleep(max(0.05, min(limit / 4, 30.0)))
 
     async def _accept_loop(self, listener: trio.socket.SocketType) -> None:
+        waited = False
         while True:
             try:
                 sock, _ = await listener.accept()
             except OSError as exc:
-                if exc.errno in _ACCEPT_CAPACITY_ERRORS:
-                    log("accept_error", errno=errno.errorcode[exc.errno], action="pause 100ms")
-                    await trio.sleep(0.1)
+                if exc.errno not in _ACCEPT_CAPACITY_ERRORS:
+                    raise
+                if not waited:
+                    # Linux looks for a free fd before it looks at the queue: accept() fails
+                    # with EMFILE even when no connection waits. Wait for one (an idle holder
+                    # at its fd limit stays idle and quiet), then try again.
+                    await trio.lowlevel.wait_readable(listener)
+                    waited = True
                     continue
-                raise
+                waited = False
+                name = errno.errorcode[exc.errno]
+                if exc.errno in _FD_EXHAUSTION and self._reserve_fd is not None:
+                    action = await self._refuse_one(listener)
+                    log("accept_error", errno=name, action=action)
+                    continue
+                if self._reserve_fd is None:
+                    self._reserve_fd = _open_reserve()  # an fd may have come free meanwhile
+                log("accept_error", errno=name, action="pause 100ms")
+                await trio.sleep(0.1)
+                continue
+            waited = False
             self._next_conn += 1
             self.nursery.start_soon(self._serve_connection, sock, self._next_conn)
+
+    async def _refuse_one(self, listener: trio.socket.SocketType) -> str:
+        """Out of fds with a connection waiting: spend the reserve fd on accepting it, tell
+        it `limit` (or `forbidden`), close it, and take the reserve back. Returns what it
+        did, for the log."""
+        assert self._reserve_fd is not None
+        os.close(self._reserve_fd)
+        self._reserve_fd = None
+        try:
+            # The listener was readable just now: unless that peer gave up, this does not
+            # wait. (A short bound all the same: the reserve is out meanwhile.)
+            sock: trio.socket.SocketType | None = None
+            with trio.move_on_after(0.1):
+                sock = (await listener.accept())[0]
+            if sock is None:
+                return "no connection was waiting after all"
+            self._next_conn += 1
+            number = self._next_conn
+            try:
+                conn = Connection(sock, number, self.config.send_deadline)
+                self.counters["connections"] += 1
+                if conn.peer_uid != os.getuid():
+                    self.counters["refused_peers"] += 1
+                    log("peer_refused", conn=number, peer_pid=conn.peer_pid,
+                        peer_uid=conn.peer_uid, reason="uid differs from the holder's")
+                    await conn.send_error("forbidden", "peer uid differs from the holder's uid")
+                else:
+                    log("conn_refused", conn=number, peer_pid=conn.peer_pid,
+                        reason="out of file descriptors")
+                    await conn.send_error("limit", _OUT_OF_FDS)
+            except OSError:
+                pass  # the peer is gone already: nothing to tell it
+            finally:
+                sock.close()
+        except OSError as exc:  # the accept failed again (another fd was taken meanwhile)
+            return f"could not accept with the reserve fd: {exc.strerror}"
+        finally:
+            self._reserve_fd = _open_reserve()
+        return "refused a connection with limit"
 
     # --- one connection -----------------------------------------------------------------
 
@@ -141,13 +206,21 @@ class Holder:
                 await conn.send_error("forbidden", "peer uid differs from the holder's uid")
                 return
             if len(self.connections) > self.config.max_connections:
-                log("conn_refused", conn=number, reason="connection limit")
+                log("conn_refused", conn=number, peer_pid=conn.peer_pid,
+                    reason="connection limit")
                 await conn.send_error("limit", "too many connections")
                 return
             if await self._handshake(conn):
                 await self._request_loop(conn)
-        except (OSError, EOFError):
+        except EOFError:
             pass  # the peer went away; custody (if any) ends below
+        except OSError as exc:
+            # Usually the peer went away (EPIPE, ECONNRESET, a send deadline). Anything else
+            # ends this connection too, and with it its custody: say so.
+            if exc.errno not in _PEER_GONE and not isinstance(exc, SendTimeout):
+                log("conn_error", conn=number, owner=(conn.owner or None) if conn else None,
+                    error=errno.errorcode.get(exc.errno or 0, repr(exc)),
+                    reason=f"connection ended on an error: {exc}")
         except Exception as exc:
             # A bug in serving one connection must not take every session down with the
             # holder: log it, drop this connection, keep serving the others.
@@ -178,7 +251,7 @@ class Holder:
                 if _out_of_fds():
                     log("limit", conn=conn.number, owner=conn.owner or None,
                         reason="out of file descriptors: a received fd was dropped")
-                    await conn.send_error("limit", "the holder is out of file descriptors")
+                    await conn.send_error("limit", _OUT_OF_FDS)
                 else:
                     await self._bad_request(conn, str(exc))
             except protocol.ProtocolError as exc:
@@ -189,6 +262,7 @@ class Holder:
                     return None
 
     async def _bad_request(self, conn: Connection, why: str) -> None:
+        why = _shorten(why)  # it may quote the peer's bytes back: never 1 MiB of them
         self.counters["bad_requests"] += 1
         log("bad_request", conn=conn.number, owner=conn.owner or None, peer_pid=conn.peer_pid,
             reason=why)
@@ -205,7 +279,9 @@ class Holder:
             await self._bad_request(conn, f"expected hello first, got {type(hello).__name__}")
             return False
         if hello.version not in protocol.SUPPORTED_VERSIONS:
-            log("bad_request", conn=conn.number, reason=f"unsupported version {hello.version}")
+            self.counters["bad_requests"] += 1
+            log("bad_request", conn=conn.number, owner=hello.owner, peer_pid=conn.peer_pid,
+                code="unsupported_version", reason=f"unsupported version {hello.version}")
             await conn.send_error(
                 "unsupported_version",
                 f"protocol version {hello.version} is not supported; this holder speaks "
@@ -245,7 +321,16 @@ class Holder:
                     await self._release(conn, sid)
                 case protocol.List(all_owners=all_owners):
                     owner = None if all_owners else conn.owner
-                    await conn.send(protocol.Sessions(sessions=self.registry.sessions(owner)))
+                    try:
+                        sessions = self.registry.sessions(owner)
+                    except OSError as exc:
+                        # Out of fds, looking a child process up (psutil opens /proc files)
+                        # can fail: answer, never drop the connection (and its custody).
+                        if exc.errno not in _FD_EXHAUSTION:
+                            raise
+                        await conn.send_error("limit", f"{_OUT_OF_FDS}; ask again later")
+                        continue
+                    await conn.send(protocol.Sessions(sessions=sessions))
                 case protocol.Status():
                     await conn.send(self._status())
                 case protocol.Hello():
@@ -254,20 +339,24 @@ class Holder:
     # --- requests -------------------------------------------------------------------------
 
     async def _deposit(self, conn: Connection, request: protocol.Deposit, fd: int) -> None:
+        # The received fd is ours until a Session owns it: closed on every other path.
         try:
             if not is_pty_master(fd):
                 raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
             self.registry.check_room((conn.owner, request.id), pty_number(fd))
+            start_time = _start_time(request.child_pid)
+            session = Session(conn.owner, request, fd, self.registry.new_ring(), conn,
+                              conn.peer_pid, start_time, pty_number(fd))
+            self.registry.add(session)
         except RegistryError as exc:
             os.close(fd)
             log("deposit_refused", session=f"{conn.owner}/{request.id}", code=exc.code,
                 reason=str(exc))
             await conn.send_error(exc.code, str(exc), request.id)
             return
-        start_time = process_start_time(request.child_pid) if request.child_pid else None
-        session = Session(conn.owner, request, fd, self.registry.new_ring(), conn, conn.peer_pid,
-                          start_time, pty_number(fd))
-        self.registry.add(session)
+        except BaseException:
+            os.close(fd)
+            raise
         conn.custodian = True
         self.counters["deposits"] += 1
         await conn.send(protocol.Deposited(id=request.id))
@@ -314,7 +403,7 @@ class Holder:
     def _status(self) -> protocol.HolderStatus:
         try:
             rss: int | None = int(psutil.Process().memory_info().rss)
-        except psutil.Error:
+        except (psutil.Error, OSError):  # OSError: out of fds, psutil cannot open /proc
             rss = None
         return protocol.HolderStatus(
             pid=os.getpid(),
@@ -333,7 +422,45 @@ class Holder:
 
 
 def _out_of_fds() -> bool:
-    """True when this process is at (or within a couple of) its open-file limit."""
+    """True when this process is at (or within a couple of) its open-file limit, or the
+    system is out of files. (Counting needs an fd of its own, so try to open one first.)"""
+    try:
+        probe = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno in _FD_EXHAUSTION
+    os.close(probe)
     count = open_fd_count()
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return count is not None and soft != resource.RLIM_INFINITY and count >= soft - 2
+
+
+_MAX_REASON = 300
+
+
+def _shorten(text: str) -> str:
+    """`text`, or its head and tail if it is long. The decoder's messages quote the invalid
+    value, which is the peer's to choose; a log line is cut at 4000 bytes, and a cut inside
+    a quoted value would leave a line that no longer splits into its pairs."""
+    if len(text) <= _MAX_REASON:
+        return text
+    return f"{text[:200]}...[{len(text) - 260} characters]...{text[-60:]}"
+
+
+def _open_reserve() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _start_time(child_pid: int | None) -> float | None:
+    """The child's start time, recorded at deposit; `limit` if the holder is out of fds
+    (psutil reads /proc, which takes one), None if it cannot be told otherwise."""
+    if not child_pid:
+        return None
+    try:
+        return process_start_time(child_pid)
+    except OSError as exc:
+        if exc.errno in _FD_EXHAUSTION:
+            raise RegistryError("limit", _OUT_OF_FDS) from None
+        return None
