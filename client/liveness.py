@@ -33,7 +33,7 @@ _SAME_START = 1e-3
 def process_start_time(pid: int) -> float | None:
     try:
         return float(psutil.Process(pid).create_time())
-    except psutil.Error:
+    except (psutil.Error, OSError):  # OSError: out of fds, /proc unreadable
         return None
 
 
@@ -47,7 +47,7 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
         created = proc.create_time()
     except psutil.NoSuchProcess:  # ZombieProcess is one: a zombie is proof of death too
         return False
-    except psutil.Error:
+    except (psutil.Error, OSError):  # OSError: out of fds, /proc unreadable
         return None
     if status == psutil.STATUS_ZOMBIE:
         return False

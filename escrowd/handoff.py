@@ -32,6 +32,7 @@ from escrow_client import protocol
 
 from .config import Config
 from .connection import Connection, SendTimeout
+from .log import log
 from .registry import Registry
 from .session import Session
 
@@ -120,8 +121,10 @@ async def retrieve(
         if not (
             isinstance(reply, protocol.Ack) and reply.id == sid and reply.handoff_id == handoff_id
         ):
-            _put_back(session, prior, registry, nursery,
-                      f"expected ack, got {type(reply).__name__}")
+            why = f"expected ack for handoff {handoff_id}, got {type(reply).__name__}"
+            log("bad_request", conn=conn.number, session=session.name, peer_pid=conn.peer_pid,
+                reason=why)
+            _put_back(session, prior, registry, nursery, why)
             await conn.send_error("bad_request", f"expected ack for handoff {handoff_id}", sid)
             return True
 

@@ -12,9 +12,13 @@ import select
 import sys
 import time
 
+_MAX_VALUE = 1000  # characters of one value; a longer one is cut and marked with "..."
+
 
 def _format(value: object) -> str:
     text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    if len(text) > _MAX_VALUE:
+        text = text[: _MAX_VALUE - 3] + "..."
     if text == "" or any(c in text for c in " \"'=\\\n\t"):
         escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         return f'"{escaped}"'
@@ -38,7 +42,9 @@ def log(event: str, **fields: object) -> None:
     if dropped_lines:
         parts.append(f"log_lines_dropped={dropped_lines}")
     parts += [f"{key}={_format(value)}" for key, value in fields.items() if value is not None]
-    line = (" ".join(parts)[: _MAX_LINE - 1] + "\n").encode("utf-8", "replace")
+    if sum(len(p) + 1 for p in parts) > _MAX_LINE:
+        parts = _whole_fields(parts, _MAX_LINE - len(" truncated=1")) + ["truncated=1"]
+    line = (" ".join(parts) + "\n").encode("utf-8", "replace")
     try:
         fd = sys.stderr.fileno()
         if not _poller(fd).poll(0):
@@ -48,6 +54,18 @@ def log(event: str, **fields: object) -> None:
         dropped_lines = 0
     except (OSError, ValueError, AttributeError):
         pass  # a closed or broken stderr must not take the holder down
+
+
+def _whole_fields(parts: list[str], room: int) -> list[str]:
+    """The leading fields that fit in `room` characters: a line is cut between fields,
+    never inside a quoted value (which would no longer split back into pairs)."""
+    kept: list[str] = []
+    for part in parts:
+        room -= len(part) + 1
+        if room < 0:
+            break
+        kept.append(part)
+    return kept
 
 
 _pollers: dict[int, select.poll] = {}
