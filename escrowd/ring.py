@@ -37,6 +37,7 @@ class Ring:
         self.limit = limit
         self._budget = budget
         self._buf = bytearray()
+        self._view = memoryview(self._buf)  # kept, so a read slices it without a new view
         self._start = 0
         self._size = 0
         self.dropped = 0
@@ -52,14 +53,16 @@ class Ring:
     def contents(self) -> bytes:
         """Every byte held, oldest first."""
         end = self._start + self._size
-        if end <= len(self._buf):
-            return bytes(self._buf[self._start : end])
-        return bytes(self._buf[self._start :]) + bytes(self._buf[: end - len(self._buf)])
+        view = self._view
+        if end <= len(view):
+            return view[self._start : end].tobytes()
+        return b"".join((view[self._start :], view[: end - len(view)]))
 
     def release(self) -> None:
         """Give the storage back to the budget; the ring is empty afterwards."""
         self._budget.give_back(len(self._buf))
         self._buf = bytearray()
+        self._view = memoryview(self._buf)
         self._start = self._size = 0
 
     def read_from(self, fd: int, at_most: int, overwrite: bool) -> int:
@@ -71,34 +74,43 @@ class Ring:
         file. OSError from the read (EAGAIN, EIO) propagates with nothing changed.
         """
         # Grow first: bytes are dropped only by a ring at its limit (or out of budget).
-        while len(self._buf) < self._size + at_most and self._grow():
-            pass
+        # (This runs once per read of a fast child: the common path is kept short.)
+        size = self._size
         cap = len(self._buf)
+        if size + at_most > cap and cap < self.limit:
+            while len(self._buf) < size + at_most and self._grow():
+                pass
+            cap = len(self._buf)
         if cap == 0:
             if not overwrite:
                 return 0
             n = os.readv(fd, [memoryview(_SCRATCH)[: min(at_most, len(_SCRATCH))]])
             self.dropped += n
             return n
-        free = cap - self._size
-        if free == 0 and not overwrite:
-            return 0
-        write_at = (self._start + self._size) % cap
-        room = cap if overwrite else free
-        n = os.readv(fd, self._regions(write_at, min(at_most, room)))
-        overflow = max(0, self._size + n - cap)
-        self._size = min(cap, self._size + n)
-        self._start = (self._start + overflow) % cap
-        self.dropped += overflow
+        if overwrite:
+            room = cap
+        else:
+            room = cap - size
+            if room == 0:
+                return 0
+        length = at_most if at_most < room else room
+        write_at = self._start + size
+        if write_at >= cap:
+            write_at -= cap
+        end = write_at + length
+        view = self._view
+        if end <= cap:
+            n = os.readv(fd, [view[write_at:end]])
+        else:
+            n = os.readv(fd, [view[write_at:], view[: end - cap]])
+        size += n
+        if size > cap:  # overwrote the oldest bytes
+            overflow = size - cap
+            self.dropped += overflow
+            self._start = (self._start + overflow) % cap
+            size = cap
+        self._size = size
         return n
-
-    def _regions(self, write_at: int, length: int) -> list[memoryview]:
-        view = memoryview(self._buf)
-        first = min(length, len(self._buf) - write_at)
-        regions = [view[write_at : write_at + first]]
-        if length > first:
-            regions.append(view[: length - first])
-        return regions
 
     def _grow(self) -> bool:
         cap = len(self._buf)
@@ -109,5 +121,5 @@ class Ring:
             return False
         grown = bytearray(cap + extra)
         grown[: self._size] = self.contents()
-        self._buf, self._start = grown, 0
+        self._buf, self._view, self._start = grown, memoryview(grown), 0
         return True

@@ -13,16 +13,17 @@ cancelled `wait_readable` can still return normally once.
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import os
 import select
 import time
+from termios import FIONREAD
 
 import trio
 
 from escrow_client.liveness import process_alive
-from escrow_client.platform import bytes_readable
 from escrow_client.protocol import Deposit, SessionInfo
 
 from .log import log
@@ -33,6 +34,9 @@ _DRAIN_SLICE = 256 * 1024
 # Upper bound for one read when FIONREAD says 0 but poll says readable (a hangup, or bytes
 # not yet pushed to the line discipline): such a read returns at once.
 _HANGUP_READ = 64 * 1024
+# FIONREAD's answer lands here: the event loop is one thread, and this saves an allocation
+# and an unpack on every read of a fast child.
+_READABLE = array.array("i", [0])
 
 
 class Session:
@@ -65,6 +69,8 @@ class Session:
         self._saved_flags: int | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._drain_done: trio.Event | None = None
+        self._poller: select.poll | None = None  # POLLIN on fd, made once per fd
+        self._slice_used_up = False  # the last pull() stopped at `at_most`, not at empty
         self.log("state", state="held", reason="deposited", child_pid=self.child_pid)
 
     @property
@@ -125,12 +131,18 @@ class Session:
     async def _drain_until_hangup(self) -> None:
         pause = 0.1
         while True:
-            await trio.lowlevel.wait_readable(self.fd)
+            if self._slice_used_up:
+                # More is waiting: let every other task have its turn, then go on without
+                # a round trip through epoll.
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.lowlevel.wait_readable(self.fd)
             try:
                 hung_up = self.pull(overwrite=True, at_most=_DRAIN_SLICE)
             except Exception as exc:
                 # Never let one terminal's surprise take the holder (and every session)
                 # down, nor stop draining it: a child must not block. Log and retry.
+                self._slice_used_up = False
                 self.log("internal_error", where="drain", error=repr(exc))
                 await trio.sleep(pause)
                 pause = min(pause * 2, 5.0)
@@ -165,17 +177,38 @@ class Session:
         `at_most`, it returns after about that many bytes even if more keep coming, so one
         fast child cannot keep the event loop from every other session.
         """
+        fd, ring = self.fd, self.ring
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(fd, select.POLLIN)
+        poll, ioctl, read_from, readable_now = poller.poll, fcntl.ioctl, ring.read_from, _READABLE
         budget = at_most
-        while budget is None or budget > 0:
+        self._slice_used_up = False
+        # Right after a read, FIONREAD is usually 0 because the tty has not yet pushed its
+        # next bytes to the reader's side; poll waits for that push. Once seen, ask poll
+        # first after each read, which saves a system call per read for the rest of this call.
+        poll_first = after_read = False
+        while True:
             try:
-                readable = bytes_readable(self.fd)
-                if readable == 0:
-                    # FIONREAD misses bytes still in the tty's flip buffer, and a hangup;
-                    # poll sees both, and a read after a poll event cannot block.
-                    if not self._poll_readable():
+                if poll_first and after_read:
+                    if not poll(0):
                         return False
-                    readable = bytes_readable(self.fd) or _HANGUP_READ
-                count = self.ring.read_from(self.fd, readable, overwrite)
+                    ioctl(fd, FIONREAD, readable_now, True)
+                    readable = readable_now[0] or _HANGUP_READ
+                else:
+                    ioctl(fd, FIONREAD, readable_now, True)
+                    readable = readable_now[0]
+                    if readable == 0:
+                        # FIONREAD misses bytes still in the tty's flip buffer, and a hangup;
+                        # poll (which first waits for the flip buffer to be pushed) sees both,
+                        # and a read after a poll event cannot block.
+                        if not poll(0):
+                            return False
+                        poll_first = after_read
+                        ioctl(fd, FIONREAD, readable_now, True)
+                        readable = readable_now[0] or _HANGUP_READ
+                count = read_from(fd, readable, overwrite)
             except BlockingIOError:
                 return False
             except OSError as exc:
@@ -185,23 +218,22 @@ class Session:
                 return True
             if count == 0:
                 # End of file, unless a sweep found no room and so did not read at all.
-                if overwrite or self.ring.size < self.ring.capacity:
+                if overwrite or ring.size < ring.capacity:
                     self.hung_up = True
                     return True
                 return False
+            after_read = True
             if budget is not None:
                 budget -= count
-        return False
-
-    def _poll_readable(self) -> bool:
-        poller = select.poll()
-        poller.register(self.fd, select.POLLIN)
-        return bool(poller.poll(0))
+                if budget <= 0:
+                    self._slice_used_up = True
+                    return False
 
     def leave_event_loop(self) -> None:
         """Before the fd goes to another process: restore the app's flags and tell trio to
         forget it (a cancelled wait stays registered in epoll until notify_closing)."""
         trio.lowlevel.notify_closing(self.fd)
+        self._poller = None
         if self._saved_flags is not None:
             fcntl.fcntl(self.fd, fcntl.F_SETFL, self._saved_flags)
             self._saved_flags = None
@@ -209,6 +241,7 @@ class Session:
     def close(self) -> None:
         """Close the holder's copy of the master. The drain must be stopped first."""
         assert self._drain_done is None, "stop the drain before closing"
+        self._poller = None
         if self.fd >= 0:
             trio.lowlevel.notify_closing(self.fd)
             fd, self.fd = self.fd, -1

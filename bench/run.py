@@ -1,0 +1,615 @@
+"""Every benchmark of fd-escrow, each beside a baseline measured in the same run.
+
+    .venv/bin/python bench/run.py [--quick] [--json]
+
+1. handoff: `retrieve` of a session with 64 KiB of replay from a client process (hello,
+   retrieve, handoff with the fd, ack, done): p50 and p99, against a raw fd round trip over a
+   socketpair between two processes.
+2. reclaim: 100 draining sessions (64 KiB of replay each) taken back by one `reclaim_all`.
+3. drain: a child writing 256 MiB (64 MiB with --quick) as fast as it can into a pty that the
+   holder drains: MB/s and the holder's CPU seconds per GiB, against the same child with a
+   plain blocking reader (and dtach, if it is installed). Each pair of runs pins reader and
+   writer alike (same CPU, then split, in turn) unless --no-pin.
+4. scale: 1,000 draining sessions with 64 KiB of replay each: holder RSS, open fds, CPU over
+   idle seconds, and the time to reclaim them all.
+5. start-up: from exec to the socket answering `status`, against `python -c pass`.
+
+Baselines are C (compiled into a temp dir now) when a compiler is present, else Python.
+Medians over repeats; the drain ratios are medians over interleaved pairs of runs. It
+reports; it asserts nothing. --quick finishes in under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tty
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from escrow_client import EscrowClient, EscrowError
+from escrow_client.fdpass import ANCILLARY_SPACE, rights
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+HANDOFF_REPLAY = 64 * KiB
+RECLAIM_REPLAY = 64 * KiB
+SCALE_REPLAY = 64 * KiB
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+HERE = Path(__file__).resolve().parent
+
+# The Python fallbacks for the C baselines (bench/baselines.c).
+PY_WRITER = """
+import os, sys, tty
+total = int(sys.argv[1])
+if os.isatty(1):
+    tty.setraw(1)
+line = bytes(ord("a") + i % 26 for i in range(79)) + b"\\n"
+buf = memoryview(line * 820)
+while total > 0:
+    total -= os.write(1, buf[:total])
+"""
+PY_READER = """
+import os
+total = 0
+while True:
+    try:
+        data = os.read(0, 65536)
+    except OSError:
+        break
+    if not data:
+        break
+    total += len(data)
+print(total)
+"""
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def compile_baselines(tmp: str) -> str | None:
+    """The C baselines' binary, or None when no compiler is around."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    out = os.path.join(tmp, "baselines")
+    done = subprocess.run([cc, "-O2", "-o", out, str(HERE / "baselines.c")],
+                          capture_output=True)
+    return out if done.returncode == 0 else None
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (every thread), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_ns(pid: int) -> int:
+    """Time on CPU in ns, summed over every thread (/proc/<pid>/task/*/schedstat): finer
+    than the clock ticks of /proc/<pid>/stat, for measuring almost nothing."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        with contextlib.suppress(OSError), open(path) as f:
+            total += int(f.read().split()[0])
+    return total
+
+
+def raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def raw_pty() -> tuple[int, int]:
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    return master, slave
+
+
+def wait_for(condition: Any, timeout: float, what: str, pause: float = 0.002) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(pause)
+
+
+def answers_status(sock: str) -> bool:
+    try:
+        EscrowClient("bench", socket_path=sock).status()
+        return True
+    except EscrowError:
+        return False
+
+
+@dataclass
+class Holder:
+    proc: subprocess.Popen[bytes]
+    socket: str
+    startup_s: float
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def client(self, owner: str) -> EscrowClient:
+        return EscrowClient(owner, socket_path=self.socket, timeout=30.0)
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.pid).memory_info().rss)
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+
+@contextlib.contextmanager
+def running_holder(*args: str) -> Iterator[Holder]:
+    """A real holder on a temporary socket, answering `status`; stopped at the end."""
+    directory = tempfile.mkdtemp(prefix="esc-bench-")
+    sock = os.path.join(directory, "escrowd.sock")
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "escrowd", "--socket", sock, *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: proc.poll() is not None or answers_status(sock), 30, "the holder",
+                 pause=0.001)
+        if proc.poll() is not None:
+            raise RuntimeError(f"escrowd exited with {proc.returncode}")
+        yield Holder(proc, sock, time.perf_counter() - start)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def deposit_all(client: EscrowClient, masters: dict[str, int]) -> None:
+    """Deposit every master through one custody and end it: all of them start draining.
+    The caller's copies are closed."""
+    with client.custody() as custody:
+        for sid, master in masters.items():
+            custody.deposit(sid, master)
+    for master in masters.values():
+        os.close(master)
+
+
+def fill(client: EscrowClient, slaves: dict[str, int], payload: bytes) -> None:
+    """Write `payload` to every slave and wait until each session's replay holds it."""
+    for slave in slaves.values():
+        os.write(slave, payload)  # blocking: the holder drains as we write
+    want = len(payload)
+    wait_for(lambda: all(s.buffered_bytes == want for s in client.list()), 60,
+             "the replays to fill", pause=0.005)
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+# --- 1. handoff latency -------------------------------------------------------------------
+
+
+def fd_roundtrip_py(rounds: int) -> tuple[float, float]:
+    """Median and p99 (µs) of sending a pty master to a child process and back."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        parent.close()
+        while True:
+            data, anc, _, _ = child.recvmsg(1, ANCILLARY_SPACE)
+            if not data:
+                os._exit(0)
+            fd = int.from_bytes(anc[0][2][:4], sys.byteorder)
+            child.sendmsg([b"x"], rights(fd))
+            os.close(fd)
+    child.close()
+    master, slave = os.openpty()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        parent.sendmsg([b"x"], rights(master))
+        _, anc, _, _ = parent.recvmsg(1, ANCILLARY_SPACE)
+        times.append((time.perf_counter() - start) * 1e6)
+        os.close(int.from_bytes(anc[0][2][:4], sys.byteorder))
+    parent.close()
+    os.waitpid(pid, 0)
+    os.close(master)
+    os.close(slave)
+    return median(times), statistics.quantiles(times, n=100)[98]
+
+
+def fd_roundtrip(baselines: str | None, rounds: int) -> tuple[float, float]:
+    if baselines is None:
+        return fd_roundtrip_py(rounds)
+    out = subprocess.run([baselines, "roundtrip", str(rounds)], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return float(out[0]), float(out[1])
+
+
+def handoff_times_ms(rounds: int) -> list[float]:
+    """`retrieve` of one session with 64 KiB of replay, `rounds` times; between rounds the
+    session is handed back and its replay written again (not timed)."""
+    with running_holder() as holder:
+        client = holder.client("bench.handoff")
+        master, slave = raw_pty()
+        deposit_all(client, {"s": master})
+        fill(client, {"s": slave}, b"y" * HANDOFF_REPLAY)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            got = client.retrieve("s")
+            times.append((time.perf_counter() - start) * 1e3)
+            deposit_all(client, {"s": got.fd})
+            os.write(slave, got.replay)
+            wait_for(lambda: client.list()[0].buffered_bytes >= HANDOFF_REPLAY, 10,
+                     "the replay", pause=0.0005)
+        os.close(slave)
+        return times
+
+
+def bench_handoff(baselines: str | None, rounds: int) -> dict[str, Any]:
+    rt_p50, rt_p99 = fd_roundtrip(baselines, max(rounds, 1000))
+    times = handoff_times_ms(rounds)
+    p50 = median(times)
+    return {
+        "handoff_p50_ms": p50,
+        "handoff_p99_ms": statistics.quantiles(times, n=100)[98],
+        "fd_roundtrip_us": rt_p50,
+        "fd_roundtrip_p99_us": rt_p99,
+        "handoff_vs_roundtrip": p50 * 1e3 / rt_p50,
+        "handoff_rounds": rounds,
+    }
+
+
+# --- 2. reclaim at launch -----------------------------------------------------------------
+
+
+def reclaim_times_ms(sessions: int, repeats: int, replay: int) -> list[float]:
+    with running_holder() as holder:
+        client = holder.client("bench.reclaim")
+        ptys = {f"s{i}": raw_pty() for i in range(sessions)}
+        masters = {sid: m for sid, (m, _) in ptys.items()}
+        slaves = {sid: s for sid, (_, s) in ptys.items()}
+        times = []
+        try:
+            for _ in range(repeats):
+                deposit_all(client, masters)
+                fill(client, slaves, b"r" * replay)
+                start = time.perf_counter()
+                report = client.reclaim_all(deadline=60.0)
+                times.append((time.perf_counter() - start) * 1e3)
+                if report.failed or len(report.retrieved) != sessions:
+                    raise RuntimeError(f"reclaim failed: {report.failed}")
+                masters = {sid: got.fd for sid, got in report.retrieved.items()}
+        finally:
+            for fd in [*masters.values(), *slaves.values()]:
+                os.close(fd)
+        return times
+
+
+def bench_reclaim(repeats: int, fd_roundtrip_us: float) -> dict[str, Any]:
+    times = reclaim_times_ms(100, repeats, RECLAIM_REPLAY)
+    ms = median(times)
+    return {
+        "reclaim_100_ms": ms,
+        "reclaim_100_roundtrips_ms": 100 * fd_roundtrip_us / 1e3,
+        "reclaim_per_session_ms": ms / 100,
+    }
+
+
+# --- 3. drain -----------------------------------------------------------------------------
+
+
+def writer_cmd(baselines: str | None, total: int) -> list[str]:
+    if baselines is not None:
+        return [baselines, "writer", str(total)]
+    return [sys.executable, "-c", PY_WRITER, str(total)]
+
+
+# Where the reader and the writer run, (reader CPU, writer CPU), or None: the scheduler's
+# choice. Unpinned, a pty's throughput on a small VM swings by 2x with whether the two
+# happened to share a CPU, so each pair of runs gets one placement, the same for every
+# reader, cycling through same-CPU and split placements.
+Placement = tuple[int, int] | None
+
+
+def placements(count: int, pin: bool) -> list[Placement]:
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return [None] * count
+    a, b = cpus[0], cpus[1]
+    cycle: list[Placement] = [(a, a), (a, b), (b, b), (b, a)]
+    return [cycle[i % len(cycle)] for i in range(count)]
+
+
+def pinned_to(cpu: int | None) -> Any:
+    """A preexec_fn that pins the child to `cpu` (None: leaves it alone)."""
+    if cpu is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def spawn_writer(baselines: str | None, total: int, slave: int,
+                 placement: Placement) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(writer_cmd(baselines, total), stdout=slave,
+                            preexec_fn=pinned_to(placement and placement[1]))
+
+
+def drain_holder(
+    holder: Holder, baselines: str | None, total: int, run: int, placement: Placement = None
+) -> tuple[float, float]:
+    """(seconds, holder CPU seconds) for the holder to drain `total` bytes from a fast child,
+    from the child's start to the session being `exited` with every byte accounted for."""
+    client = holder.client("bench.drain")
+    sid = f"drain-{run}"
+    master, slave = raw_pty()
+    deposit_all(client, {sid: master})
+    if placement is not None:
+        os.sched_setaffinity(holder.pid, {placement[0]})
+    cpu0 = cpu_seconds(holder.pid)
+    start = time.perf_counter()
+    child = spawn_writer(baselines, total, slave, placement)
+    os.close(slave)
+    child.wait()
+
+    def exited() -> Any:
+        info = next(s for s in client.list() if s.id == sid)
+        return info if info.state == "exited" else None
+
+    info = wait_for(exited, 60, "the drain to finish", pause=0.001)
+    elapsed = time.perf_counter() - start
+    cpu = cpu_seconds(holder.pid) - cpu0
+    if info.buffered_bytes + info.dropped_bytes != total:
+        raise RuntimeError(f"holder drained {info.buffered_bytes + info.dropped_bytes} of {total}")
+    client.release(sid)
+    return elapsed, cpu
+
+
+def drain_plain(
+    baselines: str | None, total: int, placement: Placement = None
+) -> tuple[float, float]:
+    """The same child with a plain blocking reader: (seconds, reader CPU seconds)."""
+    master, slave = raw_pty()
+    cmd = [baselines, "reader"] if baselines else [sys.executable, "-c", PY_READER]
+    reader = subprocess.Popen(cmd, stdin=master, stdout=subprocess.PIPE,
+                              preexec_fn=pinned_to(placement and placement[0]))
+    os.close(master)
+    cpu0 = 0.0
+    if baselines is None:  # let the interpreter start first; count only its reading
+        time.sleep(0.2)
+        cpu0 = cpu_seconds(reader.pid)
+    start = time.perf_counter()
+    child = spawn_writer(baselines, total, slave, placement)
+    os.close(slave)
+    _, _, usage = os.wait4(reader.pid, 0)
+    elapsed = time.perf_counter() - start
+    reader.returncode = 0
+    assert reader.stdout is not None
+    got = int(reader.stdout.read() or 0)
+    reader.stdout.close()
+    child.wait()
+    if got != total:
+        raise RuntimeError(f"plain reader read {got} of {total}")
+    return elapsed, usage.ru_utime + usage.ru_stime - cpu0
+
+
+def drain_dtach(
+    baselines: str | None, total: int, tmp: str, placement: Placement = None
+) -> tuple[float, float]:
+    """dtach running the same child in a new detached session: (seconds, dtach CPU)."""
+    sock = os.path.join(tmp, "dtach.sock")
+    start = time.perf_counter()
+    proc = subprocess.Popen(["dtach", "-N", sock, "-E", "-z", *writer_cmd(baselines, total)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            preexec_fn=pinned_to(placement and placement[0]))
+    if placement is not None and placement[1] != placement[0]:
+        # dtach forks the writer, which inherits dtach's CPU: move it as soon as it exists.
+        children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            pid = int(wait_for(lambda: open(children).read().split(), 5, "dtach's child",
+                               pause=0.0002)[0])
+            os.sched_setaffinity(pid, {placement[1]})
+    _, _, usage = os.wait4(proc.pid, 0)  # dtach does not reap the child: its CPU is its own
+    proc.returncode = 0
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+
+
+def bench_drain(
+    baselines: str | None, total: int, repeats: int, pin: bool = True
+) -> dict[str, Any]:
+    runs: dict[str, list[tuple[float, float]]] = {"holder": [], "plain": [], "dtach": []}
+    dtach = shutil.which("dtach") is not None
+    where = placements(repeats, pin)
+    with running_holder() as holder, tempfile.TemporaryDirectory() as tmp:
+        for run, placement in enumerate(where):  # interleaved: drift hits every reader alike
+            runs["holder"].append(drain_holder(holder, baselines, total, run, placement))
+            runs["plain"].append(drain_plain(baselines, total, placement))
+            if dtach:
+                runs["dtach"].append(drain_dtach(baselines, total, tmp, placement))
+
+    def mb_s(name: str) -> float:
+        return median([total / t / 1e6 for t, _ in runs[name]])
+
+    def cpu_gib(name: str) -> float:
+        return median([cpu / (total / GiB) for _, cpu in runs[name]])
+
+    # Ratios are medians over the pairs (each holder run and the plain run right after it
+    # share the machine's conditions), so drift on a busy machine cancels out.
+    pairs = list(zip(runs["holder"], runs["plain"], strict=True))
+    result = {
+        "drain_mb_s": mb_s("holder"),
+        "drain_baseline_mb_s": mb_s("plain"),
+        "drain_ratio": median([tp / th for (th, _), (tp, _) in pairs]),
+        "drain_cpu_s_per_gib": cpu_gib("holder"),
+        "drain_baseline_cpu_s_per_gib": cpu_gib("plain"),
+        "drain_cpu_ratio": median([ch / max(cp, 1e-3) for (_, ch), (_, cp) in pairs]),
+        "drain_bytes": total,
+        "drain_runs": repeats,
+        "drain_pinned": where[0] is not None,
+        "drain_baseline": "C" if baselines else "python",
+    }
+    if dtach:
+        result["dtach_mb_s"] = mb_s("dtach")
+        result["dtach_cpu_s_per_gib"] = cpu_gib("dtach")
+    return result
+
+
+# --- 4. scale -----------------------------------------------------------------------------
+
+
+def bench_scale(sessions: int, idle_seconds: float) -> dict[str, Any]:
+    raise_fd_limit(3 * sessions + 256)  # our masters and slaves, then the holder's copies
+    with running_holder() as holder:
+        rss_base = holder.rss()
+        client = holder.client("bench.scale")
+        ptys = {f"s{i}": raw_pty() for i in range(sessions)}
+        slaves = {sid: s for sid, (_, s) in ptys.items()}
+        retrieved: list[int] = []
+        try:
+            deposit_all(client, {sid: m for sid, (m, _) in ptys.items()})
+            fill(client, slaves, b"z" * SCALE_REPLAY)
+            time.sleep(0.5)  # let the last wake-ups settle before measuring idle
+            rss = holder.rss()
+            fds = holder.open_fds()
+            cpu0 = cpu_ns(holder.pid)
+            time.sleep(idle_seconds)
+            idle = (cpu_ns(holder.pid) - cpu0) / 1e9 / idle_seconds * 100
+            start = time.perf_counter()
+            report = client.reclaim_all(deadline=120.0)
+            reclaim_ms = (time.perf_counter() - start) * 1e3
+            retrieved = [got.fd for got in report.retrieved.values()]
+            if report.failed or len(retrieved) != sessions:
+                raise RuntimeError(f"reclaim of {sessions} failed: {len(report.failed)} failed")
+        finally:
+            for fd in [*retrieved, *slaves.values()]:
+                os.close(fd)
+    held = sessions * SCALE_REPLAY
+    return {
+        "rss_base_mb": rss_base / MiB,
+        "rss_1000_sessions_mb": rss / MiB,
+        "replay_held_mb": held / MiB,
+        "rss_growth_per_replay": (rss - rss_base) / held,
+        "open_fds_1000_sessions": fds,
+        "idle_cpu_percent": idle,
+        "idle_seconds": idle_seconds,
+        "reclaim_1000_ms": reclaim_ms,
+    }
+
+
+# --- 5. start-up --------------------------------------------------------------------------
+
+
+def bench_startup(repeats: int) -> dict[str, Any]:
+    holder_ms, python_ms = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        python_ms.append((time.perf_counter() - start) * 1e3)
+        with running_holder() as holder:
+            holder_ms.append(holder.startup_s * 1e3)
+    return {
+        "startup_ms": median(holder_ms),
+        "startup_python_ms": median(python_ms),
+        "startup_vs_python": median(holder_ms) / median(python_ms),
+    }
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def table(r: dict[str, Any]) -> str:
+    def f(value: float, digits: int = 2) -> str:
+        return f"{value:,.{digits}f}"
+
+    b = r["drain_baseline"]
+    rows = [
+        ("benchmark", "fd-escrow", "baseline (same run)", "ratio"),
+        ("handoff p50", f"{f(r['handoff_p50_ms'], 3)} ms",
+         f"fd round trip {f(r['fd_roundtrip_us'], 1)} µs", f"{f(r['handoff_vs_roundtrip'], 0)}×"),
+        ("handoff p99", f"{f(r['handoff_p99_ms'], 3)} ms",
+         f"fd round trip p99 {f(r['fd_roundtrip_p99_us'], 1)} µs", ""),
+        ("reclaim 100 sessions", f"{f(r['reclaim_100_ms'], 1)} ms",
+         f"100 fd round trips {f(r['reclaim_100_roundtrips_ms'], 1)} ms",
+         f"{f(r['reclaim_100_ms'] / r['reclaim_100_roundtrips_ms'], 0)}×"),
+        (f"drain {r['drain_bytes'] // MiB} MiB", f"{f(r['drain_mb_s'], 0)} MB/s",
+         f"plain reader ({b}) {f(r['drain_baseline_mb_s'], 0)} MB/s", f(r["drain_ratio"])),
+        ("drain CPU", f"{f(r['drain_cpu_s_per_gib'])} s/GiB",
+         f"plain reader ({b}) {f(r['drain_baseline_cpu_s_per_gib'])} s/GiB",
+         f(r["drain_cpu_ratio"])),
+    ]
+    if "dtach_mb_s" in r:
+        rows.append(("dtach (peer)", "", f"{f(r['dtach_mb_s'], 0)} MB/s, "
+                     f"{f(r['dtach_cpu_s_per_gib'])} s/GiB", ""))
+    rows += [
+        ("RSS, 1000 sessions", f"{f(r['rss_1000_sessions_mb'], 1)} MiB",
+         f"base {f(r['rss_base_mb'], 1)} MiB + replay {f(r['replay_held_mb'], 1)} MiB",
+         f"{f(r['rss_growth_per_replay'])}× replay"),
+        ("open fds, 1000 sessions", str(r["open_fds_1000_sessions"]), "", ""),
+        (f"idle CPU, 1000 sessions ({r['idle_seconds']:g} s)",
+         f"{f(r['idle_cpu_percent'], 3)} %", "", ""),
+        ("reclaim 1000 sessions", f"{f(r['reclaim_1000_ms'], 0)} ms", "", ""),
+        ("start-up to status", f"{f(r['startup_ms'], 0)} ms",
+         f"python -c pass {f(r['startup_python_ms'], 0)} ms", f"{f(r['startup_vs_python'], 1)}×"),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    pinned = ("each pair pinned alike, same CPU and split in turn" if r["drain_pinned"]
+              else "placed by the scheduler")
+    lines.append(f"(drain ratios: medians over {r['drain_runs']} interleaved pairs of runs, "
+                 f"{pinned}; MB = 10^6 bytes)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller runs (under a minute)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="drain: let the scheduler place reader and writer (noisier)")
+    args = parser.parse_args()
+    quick = args.quick
+    with tempfile.TemporaryDirectory(prefix="esc-bench-c-") as tmp:
+        baselines = compile_baselines(tmp)
+        result: dict[str, Any] = {}
+        result.update(bench_handoff(baselines, rounds=200 if quick else 1000))
+        result.update(bench_reclaim(3 if quick else 7, result["fd_roundtrip_us"]))
+        result.update(bench_drain(baselines, (64 if quick else 256) * MiB, 4 if quick else 8,
+                                  pin=not args.no_pin))
+        result.update(bench_scale(1000, idle_seconds=2.0 if quick else 10.0))
+        result.update(bench_startup(3 if quick else 7))
+    result["quick"] = quick
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(table(result))
+
+
+if __name__ == "__main__":
+    main()
