@@ -17,14 +17,21 @@ _SCRATCH = bytearray(64 * 1024)  # where bytes go that no ring has room for
 
 
 class RingBudget:
-    """The holder-wide cap on ring storage, shared by every session."""
+    """The holder-wide cap on ring storage, shared by every session.
+
+    No ring grows past its fair share (the total over the rings alive), so that when many
+    sessions flood at once the first ones to ask do not take everything and leave the
+    rest with no replay at all. Storage already granted is kept.
+    """
 
     def __init__(self, total_bytes: int) -> None:
         self.total = total_bytes
         self.used = 0
+        self.rings = 0
 
-    def grant(self, wanted: int) -> int:
-        granted = max(0, min(wanted, self.total - self.used))
+    def grant(self, wanted: int, current: int = 0) -> int:
+        fair = self.total // max(1, self.rings)
+        granted = max(0, min(wanted, self.total - self.used, fair - current))
         self.used += granted
         return granted
 
@@ -36,6 +43,8 @@ class Ring:
     def __init__(self, limit: int, budget: RingBudget) -> None:
         self.limit = limit
         self._budget = budget
+        budget.rings += 1
+        self._released = False
         self._buf = bytearray()
         self._view = memoryview(self._buf)  # kept, so a read slices it without a new view
         self._start = 0
@@ -61,6 +70,9 @@ class Ring:
     def release(self) -> None:
         """Give the storage back to the budget; the ring is empty afterwards."""
         self._budget.give_back(len(self._buf))
+        if not self._released:
+            self._released = True
+            self._budget.rings -= 1
         self._buf = bytearray()
         self._view = memoryview(self._buf)
         self._start = self._size = 0
@@ -116,7 +128,7 @@ class Ring:
         cap = len(self._buf)
         if cap >= self.limit:
             return False
-        extra = self._budget.grant(min(self.limit, max(MIN_CAPACITY, cap * 2)) - cap)
+        extra = self._budget.grant(min(self.limit, max(MIN_CAPACITY, cap * 2)) - cap, cap)
         if extra == 0:
             return False
         grown = bytearray(cap + extra)

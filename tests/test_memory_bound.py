@@ -231,6 +231,9 @@ def test_500_draining_sessions_stay_under_the_holder_wide_cap(
         t_end = time.monotonic()
 
         written = sum(sizes.values())
+        # Fair shares: the sessions that asked first did not take the whole cap and leave
+        # the others with no replay at all.
+        assert kept == SESSIONS, f"only {kept} of {SESSIONS} sessions kept any replay"
         print(
             f"\n  {SESSIONS} sessions, {written / (1 << 20):.1f} MiB written in "
             f"{t_exited - t_go:.2f}s (spawn {t_spawned - t0:.2f}s, total {t_end - t0:.2f}s); "

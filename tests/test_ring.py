@@ -322,3 +322,36 @@ def test_sweep_matches_the_model(limit: int, size: int, seed: int) -> None:
         assert ring.contents() == data[:taken]
         assert ring.dropped == 0
         assert pending(r) == data[taken:]
+
+
+def test_no_ring_grows_past_its_fair_share_of_the_budget() -> None:
+    """Incident: with 500 sessions flooding at once under a 4 MiB cap, the first ~100 to
+    ask took all of it and the other 400 came back with no replay at all. A ring now grows
+    only up to the total over the rings alive."""
+    budget = RingBudget(64 * 1024)
+    rings = [Ring(64 * 1024, budget) for _ in range(4)]
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    try:
+        for ring in rings:
+            os.write(w, b"x" * 60_000)
+            _drain_pipe(ring, r)
+        assert [ring.capacity for ring in rings] == [16 * 1024] * 4
+        assert budget.used == 64 * 1024
+        for ring in rings[:2]:
+            ring.release()
+        assert budget.rings == 2
+        os.write(w, b"y" * 60_000)
+        _drain_pipe(rings[2], r)
+        assert rings[2].capacity == 32 * 1024  # the fair share is larger now
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _drain_pipe(ring: Ring, fd: int) -> None:
+    try:
+        while ring.read_from(fd, 60_000, overwrite=True):
+            pass
+    except BlockingIOError:
+        pass
