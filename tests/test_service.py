@@ -177,7 +177,7 @@ def test_watchdog_pings_and_carries_status_changes(
         env=clean_env(NOTIFY_SOCKET=notify_socket.address, WATCHDOG_USEC="200000")
     )
     assert notify_socket.receive()["READY"] == "1"
-    assert holder.log_lines("watchdog"), holder.logs()
+    wait_for(lambda: holder.log_lines("watchdog"), 5.0, "the watchdog's log line")
     assert "interval=0.100" in holder.log_lines("watchdog")[0]
     # Repeated pings (every WATCHDOG_USEC/2); a ping carries no STATUS= while nothing changed.
     for _ in range(3):
