@@ -251,6 +251,10 @@ class EscrowClient:
                     time.sleep(0.02)  # the holder is still acting on our hang-up; ask again
                     continue
                 return result  # our ack is queued there, if anything: keep the fd
+            if state in ("draining", "exited", "held") and info is not None and (
+                info.deposited_at != result.session.deposited_at
+            ):
+                return result  # a new deposit reused the id: ours was handed off, keep it
             if state in ("draining", "exited", "held"):
                 os.close(result.fd)  # the holder kept it and drains it: we must not read too
                 raise errors.HolderUnresponsive(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import socket
 import sys
@@ -135,11 +136,24 @@ async def _watch_signals(holder: Holder, scope: trio.CancelScope) -> None:
             return
 
 
+def _raise_fd_limit() -> None:
+    """Every session costs the holder one fd: take the soft limit up to the hard one (the
+    usual soft 1024 would refuse deposits long before --max-sessions)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass  # keep what we have; deposits past it get `limit`
+
+
 def main(argv: list[str] | None = None) -> int:
     # First, before any socket exists: a peer that hangs up must never kill the holder and
     # every session in it. Sends also use MSG_NOSIGNAL; this covers anything that does not.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     os.umask(0o077)
+    _raise_fd_limit()
     parser = _parser()
     config = _config(parser.parse_args(argv), parser)
     try:

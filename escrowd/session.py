@@ -29,6 +29,9 @@ from escrow_client.protocol import Deposit, SessionInfo
 from .log import log
 from .ring import Ring
 
+# A read of fewer bytes counts as this many against a slice, so a slice is also bounded in
+# reads (64 of them), not only in bytes.
+_READ_COST = 4096
 # What one drain wake-up reads at most before it lets other tasks run.
 _DRAIN_SLICE = 256 * 1024
 # Upper bound for one read when FIONREAD says 0 but poll says readable (a hangup, or bytes
@@ -208,7 +211,11 @@ class Session:
                         poll_first = after_read
                         ioctl(fd, FIONREAD, readable_now, True)
                         readable = readable_now[0] or _HANGUP_READ
-                count = read_from(fd, readable, overwrite)
+                # One more than FIONREAD: a master in packet mode (TIOCPKT) returns a header
+                # byte that FIONREAD does not count, and reading exactly FIONREAD would
+                # leave one byte behind forever, returning only headers. A read returns as
+                # soon as anything is copied, so asking for one more never blocks.
+                count = read_from(fd, readable + 1, overwrite)
             except BlockingIOError:
                 return False
             except OSError as exc:
@@ -224,7 +231,7 @@ class Session:
                 return False
             after_read = True
             if budget is not None:
-                budget -= count
+                budget -= max(count, _READ_COST)  # tiny reads still use up the slice
                 if budget <= 0:
                     self._slice_used_up = True
                     return False

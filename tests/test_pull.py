@@ -143,3 +143,23 @@ def test_a_small_ring_keeps_order(overwrite: bool) -> None:
                     except BlockingIOError:
                         break
             assert rest == data[limit:written]  # in order, none lost, none twice
+
+
+def test_a_master_in_packet_mode_does_not_spin() -> None:
+    """Incident: an app had put its master in packet mode (TIOCPKT). Every read returns a
+    header byte FIONREAD does not count, so reading exactly FIONREAD left one byte behind
+    and then returned only NUL headers, forever: the holder spun, and the ring filled with
+    NULs that pushed the real output out. Reads ask for one more than FIONREAD."""
+    tiocpkt = 0x5420
+    with raw_pty() as (master, slave):
+        fcntl.ioctl(master, tiocpkt, b"\1\0\0\0")
+        os.set_blocking(master, False)
+        session = session_on(master)
+        os.write(slave, b"hello world\n")
+        with alarm(5.0):
+            for _ in range(20):  # twenty wake-ups' worth of pulls: nothing more to read
+                session.pull(overwrite=True, at_most=256 * 1024)
+        replay = session.ring.contents()
+        assert replay.replace(b"\0", b"") == b"hello world\n"
+        assert len(replay) <= len(b"hello world\n") + 4, replay  # a header per read, no more
+        assert session.ring.dropped == 0
