@@ -65,23 +65,20 @@ import os
 import random
 import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import termios
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from holder import BenchHolder, end_shell, read_until, spawn_numbered_shell
 
 from escrow_client import EscrowClient, EscrowError, protocol
 from escrow_client.fdpass import recv_frame, send_frame
 
 STEPS = ("connect", "hello", "retrieve_sent", "handoff_received", "acked")
-# The child: a numbered line, then a pause (`read -t` is a builtin: no fork per line).
-LOOP = 'i=0; while :; do i=$((i+1)); echo "L$i"; read -r -t "$0" _; done'
 TIOCGPTN = 0x80045430
 SETTLE_TIMEOUT = 20.0  # the holder's ack deadline is 10 s; it notices a dead peer at once
 INVARIANTS = ("sessions_lost", "fds_leaked", "holder_died", "duplicate_handoffs",
@@ -246,102 +243,16 @@ class Tracked:
 
 
 def spawn_session(sid: str, line_interval: float) -> Tracked:
-    master, slave = os.openpty()
-    attrs = termios.tcgetattr(slave)
-    attrs[3] &= ~termios.ECHO  # nothing but the shell's own output
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
-
-    def controlling_tty() -> None:
-        os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    proc = subprocess.Popen(["bash", "-c", LOOP, f"{line_interval:.4f}"], stdin=slave,
-                            stdout=slave, stderr=slave, preexec_fn=controlling_tty,
-                            close_fds=True)
-    os.close(slave)
+    master, proc = spawn_numbered_shell(line_interval)
     ptn = int.from_bytes(fcntl.ioctl(master, TIOCGPTN, b"\0\0\0\0"), sys.byteorder)
     return Tracked(sid, master, proc, ptn)
-
-
-def read_live(fd: int, min_new_lines: int, timeout: float) -> bytes:
-    """Read `fd` until at least `min_new_lines` complete lines came (or the timeout)."""
-    out = bytearray()
-    deadline = time.monotonic() + timeout
-    while out.count(b"\n") < min_new_lines:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
-    return bytes(out)
 
 
 # --- the harness ------------------------------------------------------------------------------
 
 
-class Holder:
-    """The holder under test: our own process, or one already serving --socket."""
-
-    def __init__(self, socket_path: str | None, log_path: str | None = None) -> None:
-        self.directory: str | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-        if socket_path is None:
-            self.directory = tempfile.mkdtemp(prefix="esc-chaos-")
-            socket_path = os.path.join(self.directory, "escrowd.sock")
-            self.log_path = log_path or os.path.join(self.directory, "escrowd.log")
-            with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "escrowd", "--socket", socket_path],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        self.socket = socket_path
-        self.admin = EscrowClient("bench.chaos.admin", socket_path=socket_path)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                self.admin.status()
-                break
-            except EscrowError:
-                if not self.alive() or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-
-    def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        try:
-            self.admin.status()
-            return True
-        except EscrowError:
-            return False
-
-    def log_count(self, event: str) -> int | None:
-        if self.proc is None:
-            return None
-        with open(self.log_path, errors="replace") as log:
-            return sum(1 for line in log if f" event={event} " in line)
-
-    def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-
 class Chaos:
-    def __init__(self, holder: Holder, sessions: int, seed: int, check_every: int,
+    def __init__(self, holder: BenchHolder, sessions: int, seed: int, check_every: int,
                  handoffs_at_start: int, line_interval: float, parallel: int = 1,
                  contend: float = 0.0) -> None:
         self.line_interval = line_interval
@@ -519,7 +430,7 @@ class Chaos:
                 if got.dropped_bytes:
                     print(f"chaos: {sess.sid}: {got.dropped_bytes} B dropped (ring full)",
                           file=sys.stderr)
-                live = read_live(got.fd, 1, 2.0)
+                live = read_until(got.fd, lambda out: b"\n" in out, 2.0)
                 self.counts["sequence_gaps"] += sess.append_and_check(got.replay + live)
                 try:
                     self.client.hand_off(sess.sid, got.fd, child_pid=sess.proc.pid,
@@ -539,11 +450,11 @@ class Chaos:
             print(f"chaos: the holder counts {handoffs} handoffs, {self.acks_sent} acked",
                   file=sys.stderr)
         live = sum(1 for i in self.states().values() if i.state in protocol.LIVE_STATES)
-        with_sessions = self._fds_settle(baseline_fds + live)
+        with_sessions = self.holder.settled_fds(baseline_fds + live)
         for sid in self.sessions:
             with contextlib.suppress(EscrowError):
                 self.client.release(sid)
-        after = self._fds_settle(baseline_fds)
+        after = self.holder.settled_fds(baseline_fds)
         leaked = max(0, with_sessions - (baseline_fds + live), after - baseline_fds)
         self.counts["fds_leaked"] = leaked
         final = self.holder.admin.status()
@@ -551,23 +462,9 @@ class Chaos:
                 "fds_with_sessions": with_sessions, "live_sessions_at_end": live,
                 "fds_after": after, "rss_after": final.rss_bytes}
 
-    def _fds_settle(self, want: int) -> int:
-        """The holder's open fd count, once it equals `want` or after 5 s (a dead
-        victim's connection may still be closing)."""
-        deadline = time.monotonic() + 5
-        while True:
-            count = self.holder.admin.status().open_fds or 0
-            if count == want or time.monotonic() > deadline:
-                return count
-            time.sleep(0.01)
-
     def close(self) -> None:
         for sess in self.sessions.values():
-            if sess.proc.poll() is None:
-                sess.proc.kill()
-            sess.proc.wait()
-            with contextlib.suppress(OSError):
-                os.close(sess.master)
+            end_shell(sess.proc, sess.master)
 
 
 def run(cycles: int, seed: int, socket_path: str | None = None, sessions: int = 4,
@@ -575,7 +472,7 @@ def run(cycles: int, seed: int, socket_path: str | None = None, sessions: int = 
         holder_log: str | None = None, parallel: int = 1,
         contend: float = 0.0) -> dict[str, Any]:
     started = time.monotonic()
-    holder = Holder(socket_path, holder_log)
+    holder = BenchHolder(socket_path, log_path=holder_log, name="chaos")
     chaos: Chaos | None = None
     try:
         before = holder.admin.status()
@@ -609,7 +506,7 @@ def run(cycles: int, seed: int, socket_path: str | None = None, sessions: int = 
     finally:
         if chaos is not None:
             chaos.close()
-        holder.close()
+        holder.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

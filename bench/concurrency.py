@@ -40,19 +40,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import random
 import re
-import select
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import termios
 import threading
 import time
 import tty
@@ -60,11 +54,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from holder import BenchHolder, end_shell, read_until, spawn_numbered_shell
+
 from escrow_client import EscrowClient, EscrowError
 
 INVARIANTS = ("holder_died", "sessions_lost", "bad_states", "duplicate_handoffs",
               "replay_mismatches", "sequence_gaps", "fds_leaked", "unexpected_errors")
-LOOP = 'i=0; while :; do i=$((i+1)); echo "L$i"; read -r -t 0.05 _; done'
 MAX_LIVE = 6  # sessions escrowed per client at most
 OPS = {"deposit": 3, "write": 2, "retrieve": 3, "release": 1, "list": 3, "status": 1}
 _LINE = re.compile(rb"L(\d+)")
@@ -108,39 +103,8 @@ class Shell:
 
 
 def spawn_shell(sid: str) -> Shell:
-    master, slave = os.openpty()
-    attrs = termios.tcgetattr(slave)
-    attrs[3] &= ~termios.ECHO
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
-
-    def controlling_tty() -> None:
-        os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    proc = subprocess.Popen(["bash", "-c", LOOP], stdin=slave, stdout=slave, stderr=slave,
-                            preexec_fn=controlling_tty, close_fds=True)
-    os.close(slave)
+    master, proc = spawn_numbered_shell(0.05)
     return Shell(sid, master, proc)
-
-
-def read_for(fd: int, done: Any, timeout: float) -> bytes:
-    """Read `fd` until `done(data)` is true or the timeout passes."""
-    out = bytearray()
-    deadline = time.monotonic() + timeout
-    while not done(out):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
-    return bytes(out)
 
 
 class Stats:
@@ -284,8 +248,8 @@ class Worker(threading.Thread):
             if sid in self.pairs:
                 pair = self.pairs[sid]
                 want = bytes(pair.pending)
-                rest = read_for(got.fd, lambda out: len(got.replay) + len(out) >= len(want),
-                                2.0)
+                rest = read_until(got.fd,
+                                  lambda out: len(got.replay) + len(out) >= len(want), 2.0)
                 if got.replay + rest != want:
                     self.stats.bad("replay_mismatches",
                                    f"{self.owner}/{sid}: replay {len(got.replay)} B + live "
@@ -294,7 +258,7 @@ class Worker(threading.Thread):
                 keep = self.rng.random() < 0.7
             else:
                 shell = self.shells[sid]
-                live_out = read_for(got.fd, lambda out: b"\n" in out, 2.0)
+                live_out = read_until(got.fd, lambda out: b"\n" in out, 2.0)
                 shell.record += got.replay + live_out
                 breaks = shell.check()
                 if breaks:
@@ -383,7 +347,7 @@ class Worker(threading.Thread):
                 self.stats.acks += 1
             shell = self.shells.pop(sid)
             try:
-                shell.record += got.replay + read_for(got.fd, lambda out: b"\n" in out, 2.0)
+                shell.record += got.replay + read_until(got.fd, lambda out: b"\n" in out, 2.0)
                 if shell.check():
                     self.stats.bad("sequence_gaps", f"{self.owner}/{sid}: final check")
             finally:
@@ -401,59 +365,6 @@ class Worker(threading.Thread):
         self.do_list()
 
 
-# --- the holder -----------------------------------------------------------------------------
-
-
-class Holder:
-    def __init__(self, socket_path: str | None) -> None:
-        self.directory: str | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-        if socket_path is None:
-            self.directory = tempfile.mkdtemp(prefix="esc-conc-")
-            socket_path = os.path.join(self.directory, "escrowd.sock")
-            with open(os.path.join(self.directory, "escrowd.log"), "wb") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "escrowd", "--socket", socket_path],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        self.socket = socket_path
-        self.admin = EscrowClient("bench.conc.admin", socket_path=socket_path)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                self.admin.status()
-                break
-            except EscrowError:
-                if not self.alive() or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-
-    def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        try:
-            self.admin.status()
-            return True
-        except EscrowError:
-            return False
-
-    def internal_errors(self) -> int | None:
-        if self.directory is None:
-            return None
-        with open(os.path.join(self.directory, "escrowd.log"), errors="replace") as log:
-            return sum(1 for line in log if " event=internal_error " in line)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-
 def _quantiles(values: list[float]) -> dict[str, float]:
     if len(values) < 2:
         return {"p50_ms": round(values[0] * 1e3, 3) if values else 0.0, "p99_ms": 0.0}
@@ -463,7 +374,7 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 
 def run(clients: int, seconds: float, children: int, seed: int,
         socket_path: str | None = None) -> dict[str, Any]:
-    holder = Holder(socket_path)
+    holder = BenchHolder(socket_path, name="conc")
     shells: list[Shell] = []
     try:
         before = holder.admin.status()
@@ -505,11 +416,7 @@ def run(clients: int, seconds: float, children: int, seed: int,
                     ("handed_off", "released")]
             for info in left:
                 stats.bad("bad_states", f"{info.owner}/{info.id} is {info.state} at the end")
-            deadline = time.monotonic() + 5
-            while (fds := holder.admin.status().open_fds or 0) != before.open_fds and (
-                time.monotonic() < deadline
-            ):
-                time.sleep(0.01)
+            fds = holder.settled_fds(before.open_fds or 0)
             counts["fds_leaked"] = max(0, fds - (before.open_fds or 0))
             after = holder.admin.status()
             extra = {"handoffs_by_holder": handoffs, "acks": stats.acks,
@@ -528,17 +435,13 @@ def run(clients: int, seconds: float, children: int, seed: int,
             "lines_checked": counts["lines_checked"],
             "peak_live_sessions": stats.peak_live,
             "rss_before": before.rss_bytes, "fds_before": before.open_fds,
-            "internal_errors_logged": holder.internal_errors(),
+            "internal_errors_logged": holder.log_count("internal_error"),
             **extra,
         }
     finally:
         for shell in shells:
-            if shell.proc.poll() is None:
-                shell.proc.kill()
-            shell.proc.wait()
-            with contextlib.suppress(OSError):
-                os.close(shell.master)
-        holder.close()
+            end_shell(shell.proc, shell.master)
+        holder.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

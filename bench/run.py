@@ -35,14 +35,12 @@ import sys
 import tempfile
 import time
 import tty
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
+from holder import BenchHolder, wait_for
 
-from escrow_client import EscrowClient, EscrowError
+from escrow_client import EscrowClient
 from escrow_client.fdpass import ANCILLARY_SPACE, rights
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -122,69 +120,10 @@ def raw_pty() -> tuple[int, int]:
     return master, slave
 
 
-def wait_for(condition: Any, timeout: float, what: str, pause: float = 0.002) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(pause)
-
-
-def answers_status(sock: str) -> bool:
-    try:
-        EscrowClient("bench", socket_path=sock).status()
-        return True
-    except EscrowError:
-        return False
-
-
-@dataclass
-class Holder:
-    proc: subprocess.Popen[bytes]
-    socket: str
-    startup_s: float
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def client(self, owner: str) -> EscrowClient:
-        return EscrowClient(owner, socket_path=self.socket, timeout=30.0)
-
-    def rss(self) -> int:
-        return int(psutil.Process(self.pid).memory_info().rss)
-
-    def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
-
-
-@contextlib.contextmanager
-def running_holder(*args: str) -> Iterator[Holder]:
-    """A real holder on a temporary socket, answering `status`; stopped at the end."""
-    directory = tempfile.mkdtemp(prefix="esc-bench-")
-    sock = os.path.join(directory, "escrowd.sock")
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "escrowd", "--socket", sock, *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for(lambda: proc.poll() is not None or answers_status(sock), 30, "the holder",
-                 pause=0.001)
-        if proc.poll() is not None:
-            raise RuntimeError(f"escrowd exited with {proc.returncode}")
-        yield Holder(proc, sock, time.perf_counter() - start)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(directory, ignore_errors=True)
+def running_holder() -> BenchHolder:
+    """A real holder on a temporary socket; its log is discarded, so that writing it adds
+    nothing to what is measured."""
+    return BenchHolder(log_path=os.devnull)
 
 
 def deposit_all(client: EscrowClient, masters: dict[str, int]) -> None:
@@ -360,7 +299,7 @@ def spawn_writer(baselines: str | None, total: int, slave: int,
 
 
 def drain_holder(
-    holder: Holder, baselines: str | None, total: int, run: int, placement: Placement = None
+    holder: BenchHolder, baselines: str | None, total: int, run: int, placement: Placement = None
 ) -> tuple[float, float]:
     """(seconds, holder CPU seconds) for the holder to drain `total` bytes from a fast child,
     from the child's start to the session being `exited` with every byte accounted for."""
