@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import select
-import shlex
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hostile import assert_gap_free_from_1, log_fields, read_more_lines
 from rawclient import RawClient
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
@@ -78,40 +78,6 @@ def counter_session(
     return client, wait_state(client, "draining", min_buffered=len(FIRST_LINES))
 
 
-def numbered_lines(data: bytes) -> list[int]:
-    """The numbers of the complete `L<n>` lines in `data` (a trailing partial line is ignored)."""
-    *complete, _partial = data.split(b"\r\n")
-    numbers = []
-    for line in complete:
-        assert line.startswith(b"L") and line[1:].isdigit(), f"unexpected line {line!r}"
-        numbers.append(int(line[1:]))
-    return numbers
-
-
-def assert_gap_free_from_1(data: bytes) -> None:
-    """`data` is L1, L2, ... with no line missing and none twice."""
-    numbers = numbered_lines(data)
-    assert numbers, "no complete line"
-    for expected, got in enumerate(numbers, start=1):
-        assert got == expected, f"line {expected} expected, got L{got}: stream has a gap/repeat"
-
-
-def read_more_lines(fd: int, data: bytes, more: int, timeout: float = 10.0) -> bytes:
-    """Read the live master until `more` complete lines beyond `data` arrived; return all."""
-    out = bytearray(data)
-    want = len(numbered_lines(data)) + more
-    deadline = time.monotonic() + timeout
-    while len(numbered_lines(bytes(out))) < want:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {more} more lines within {timeout}s"
-        readable, _, _ = select.select([fd], [], [], left)
-        if readable:
-            chunk = os.read(fd, 65536)
-            assert chunk, "end of file on a live master"
-            out += chunk
-    return bytes(out)
-
-
 def read_until(fd: int, marker: bytes, timeout: float = 10.0) -> bytes:
     out = bytearray()
     deadline = time.monotonic() + timeout
@@ -124,10 +90,6 @@ def read_until(fd: int, marker: bytes, timeout: float = 10.0) -> bytes:
             assert chunk, "end of file on a live master"
             out += chunk
     return bytes(out)
-
-
-def log_fields(line: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in shlex.split(line))
 
 
 def state_changes(holder: HolderProcess, sid: str = SID) -> list[tuple[str, str]]:
