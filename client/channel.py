@@ -1,9 +1,12 @@
 """One blocking connection to the holder: connect, hello/welcome, framed calls.
 
+Before a single byte is sent, the socket's directory and the listener's uid are checked
+(`trust`): a holder of another user is `Forbidden`, never a peer.
+
 Everything a call can fail with is mapped to the client's exceptions here, once:
 nothing listening is `HolderUnavailable`; a deadline that passes is `HolderUnresponsive`;
-an `error` answer is the exception for its code; anything that is not the protocol is
-`ProtocolViolation`.
+an `error` answer is the exception for its code (also when a send failed because the
+holder answered and closed); anything that is not the protocol is `ProtocolViolation`.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import os
 import socket
 import time
 
-from . import breaker, errors, protocol
+from . import breaker, errors, paths, protocol, trust
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket
 
 # A response may carry a whole replay ring; requests stay under the holder's 1 MiB.
 MAX_RESPONSE_BYTES = 256 << 20
+# How long a failed send waits for an answer the holder sent before it closed (it is
+# already in our receive queue when the send fails, so this is only a bound).
+_ANSWER_WAIT = 0.1
 
 
 class Deadline:
@@ -55,18 +61,23 @@ class Channel:
         if deadline.remaining() <= 0:
             # Nothing was asked of the holder, so nothing timed out: the breaker stays shut.
             raise errors.HolderUnresponsive(f"no time left to call the holder on {socket_path}")
+        try:
+            paths.check_socket_path(socket_path)
+        except paths.PathError as exc:
+            raise errors.EscrowConfigError(str(exc)) from None
+        # Trust before any byte (DESIGN §6): the directory now, the listener's uid below.
+        trust.check_socket_dir(socket_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             harden_socket(self.sock)
             self._arm(deadline)
             try:
                 self.sock.connect(socket_path)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise errors.HolderUnavailable(
-                    f"no holder is listening on {socket_path} ({exc.strerror})"
-                ) from None
             except TimeoutError:
                 raise self._timed_out("did not accept the connection") from None
+            except OSError as exc:
+                raise trust.connect_error(exc, socket_path) from None
+            trust.check_peer(self.sock, socket_path)
             reply, _ = self.call(hello, deadline)
             if not isinstance(reply, protocol.Welcome):
                 raise errors.ProtocolViolation(f"expected welcome, got {type(reply).__name__}")
@@ -104,7 +115,7 @@ class Channel:
         except TimeoutError:
             raise self._timed_out("did not take a request") from None
         except OSError as exc:
-            raise self._gone(exc) from None
+            raise self._answer_waiting(deadline) or self._gone(exc) from None
 
     def receive(self, deadline: Deadline) -> tuple[protocol.Response, list[int]]:
         """The next message, with the fds it carried. An `error` answer is raised."""
@@ -152,6 +163,23 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
+
+    def _answer_waiting(self, deadline: Deadline) -> errors.EscrowError | None:
+        """A send failed: the holder may have answered and closed first (`forbidden`,
+        `limit`). That answer, not "broken pipe", is the truth; None if none is waiting."""
+        try:
+            self.sock.settimeout(max(0.001, min(_ANSWER_WAIT, deadline.remaining())))
+            body, fds = recv_frame(self.sock, MAX_RESPONSE_BYTES)
+        except (OSError, EOFError, protocol.ProtocolError):
+            return None
+        close_fds(fds)
+        try:
+            message = protocol.decode_response(body)
+        except protocol.ProtocolError:
+            return None
+        if isinstance(message, protocol.Error):
+            return errors.from_code(message.code, message.message, message.id)
+        return None
 
     def _gone(self, exc: OSError) -> errors.EscrowError:
         if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):

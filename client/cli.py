@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,11 +20,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from . import __version__, demo, errors, liveness, paths, protocol
+from . import __version__, demo, errors, liveness, paths, protocol, service_files
 from .client import DEFAULT_TIMEOUT, EscrowClient
 from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from .protocol import HolderStatus, SessionInfo
@@ -49,6 +51,7 @@ STOP_REFUSED = 1  # sessions are escrowed and --force was not given: nothing was
 STOP_NOT_RUNNING = 3  # no holder runs on the socket (not running, or dead): nothing to stop
 STOP_CANNOT_TELL = 4  # the holder did not answer, or could not be told apart: nothing signalled
 STOP_STILL_RUNNING = 5  # SIGTERM was sent, but the holder still ran after --wait seconds
+STOP_NOT_PERMITTED = 6  # the holder's pid may not be signalled by this user: nothing signalled
 
 DEFAULT_STOP_WAIT = 10.0
 
@@ -108,12 +111,15 @@ _ANSWER_TEXT = {
     liveness.REFUSED: "refuses connections",
     liveness.MISSING: "missing",
     liveness.ERROR: "cannot connect",
+    liveness.UNTRUSTED: "not yours: nothing was sent to it",
 }
 
 
 def _no_answer_text(verdict: Verdict) -> str:
     ev = verdict.evidence
     pid = f" (pid {verdict.pid})" if verdict.pid is not None else ""
+    if "socket_answer" not in ev:  # refused on trust before anything was looked at
+        return f"escrowd: {verdict.state} on {verdict.socket}\n  {verdict.reason}"
     answer = _ANSWER_TEXT.get(ev["socket_answer"], ev["socket_answer"])
     if ev.get("socket_error"):
         answer += f": {ev['socket_error']}"
@@ -190,6 +196,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
     except ProcessLookupError:
         print(f"escrowd (pid {pid}) on {socket_path} had already exited")
         return STOP_STOPPED
+    except OSError as exc:  # EPERM: a process this user may not signal
+        print(f"escrowctl: not stopping escrowd (pid {pid}) on {socket_path}: you may not "
+              f"signal it ({exc.strerror or exc}); nothing was signalled", file=sys.stderr)
+        return STOP_NOT_PERMITTED
     deadline = time.monotonic() + args.wait
     while liveness.process_alive(pid, started) is not False:
         if time.monotonic() >= deadline:
@@ -377,6 +387,50 @@ def _demo_cleanup(client: EscrowClient, sid: str, report: dict[str, Any]) -> Non
         print(f"escrowctl demo: ended the demo shell (pid {pid}), left over", file=sys.stderr)
 
 
+# --- install-service ----------------------------------------------------------------------
+
+
+def cmd_install_service(args: argparse.Namespace) -> int:
+    """Write the systemd user units (Linux) or the LaunchAgent (macOS) for this
+    installation's escrowd, and say what to run next. Starts nothing itself."""
+    command = [args.escrowd] if args.escrowd else service_files.escrowd_command()
+    extra = [a for a in args.escrowd_args if a != "--"]
+    home = Path.home()
+    if args.kind == "launchd":
+        socket_path = paths.resolve_socket_path(args.socket)
+        files = {home / "Library" / "LaunchAgents" / f"{service_files.LAUNCHD_LABEL}.plist":
+                 service_files.launchd_plist(command, socket_path,
+                                             str(home / "Library" / "Logs" / "escrowd.log"),
+                                             extra)}
+        agent = f"gui/{os.getuid()}/{service_files.LAUNCHD_LABEL}"
+        plist = next(iter(files))
+        next_steps = [f"launchctl bootout {agent} 2>/dev/null; "
+                      f"launchctl bootstrap gui/{os.getuid()} {shlex.quote(str(plist))}",
+                      f"launchctl print {agent}"]
+    else:
+        socket_path = args.socket or service_files.SYSTEMD_SOCKET
+        config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+        unit_dir = config / "systemd" / "user"
+        files = {unit_dir / "escrowd.service":
+                 service_files.systemd_service(command, socket_path, extra),
+                 unit_dir / "escrowd.socket": service_files.systemd_socket(socket_path)}
+        next_steps = ["systemctl --user daemon-reload",
+                      "systemctl --user enable --now escrowd.socket",
+                      "escrowctl status"]
+    for path, text in files.items():
+        if args.print:
+            print(f"# {path}\n{text}")
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    if not args.print:
+        print(f"escrowd: {shlex.join(command)}, serving {socket_path}\nnext:")
+        for step in next_steps:
+            print(f"  {step}")
+    return 0
+
+
 # --- plumbing -----------------------------------------------------------------------------
 
 
@@ -455,6 +509,7 @@ exit status:
   {STOP_CANNOT_TELL}  the holder did not answer in time, or could not be told apart from
      another process: nothing was signalled
   {STOP_STILL_RUNNING}  SIGTERM was sent, but the holder still ran after --wait seconds
+  {STOP_NOT_PERMITTED}  you may not signal the holder's pid: nothing was signalled
 """
 
 
@@ -474,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--socket", metavar="PATH",
         help=f"the holder's socket (default: ${paths.SOCKET_ENV}, else "
-        "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else a per-user directory in the temp dir; "
+        "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else /tmp/escrowd-<uid>/escrowd.sock; "
         f"here and now: {paths.default_socket_path()})",
     )
     parser.add_argument(
@@ -482,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"deadline for each call to the holder (default {DEFAULT_TIMEOUT:g}; for "
         f"`status` and `stop`, {STATUS_TIMEOUT:g})",
     )
+    parser.add_argument("--json", dest="top_json", action="store_true",
+                        help="JSON output, for the commands that have it (status, list); "
+                        "the same as --json after the command")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -530,6 +588,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_release)
 
     p = sub.add_parser(
+        "install-service", help="write the systemd units or the LaunchAgent for this escrowd",
+        description="Write the service files that start escrowd at login and restart it if "
+        "it crashes: systemd user units (escrowd.socket, escrowd.service) in "
+        "~/.config/systemd/user on Linux, or a LaunchAgent in ~/Library/LaunchAgents on "
+        "macOS, naming the escrowd of this installation and the socket that apps use. "
+        "Arguments after -- go to escrowd (e.g. -- --unclaimed-ttl 0).",
+    )
+    p.add_argument("--systemd", dest="kind", action="store_const", const="systemd",
+                   help="systemd user units (the default on Linux)")
+    p.add_argument("--launchd", dest="kind", action="store_const", const="launchd",
+                   help="a LaunchAgent (the default on macOS)")
+    p.add_argument("--escrowd", metavar="PATH", help="the escrowd to run (default: "
+                   f"{shlex.join(service_files.escrowd_command())})")
+    p.add_argument("--print", action="store_true", help="print the files instead of writing them")
+    p.add_argument("escrowd_args", nargs=argparse.REMAINDER, metavar="-- ESCROWD_ARGS",
+                   help="arguments for escrowd")
+    p.set_defaults(func=cmd_install_service, kind="launchd" if sys.platform == "darwin"
+                   else "systemd")
+
+    p = sub.add_parser(
         "demo", help="watch a shell survive its app's restart",
         description="Run a shell printing a counter under a throwaway app, hand it to the "
         "holder, end the app, and take the shell back from a fresh process.",
@@ -544,6 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # subcommand's own default (short for status and stop, which only look or signal).
     args.timeout = (getattr(args, "sub_timeout", None) or args.timeout
                     or getattr(args, "default_timeout", DEFAULT_TIMEOUT))
+    args.json = getattr(args, "json", False) or args.top_json
     try:
         result: int = args.func(args)
         return result

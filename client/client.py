@@ -21,10 +21,14 @@ from dataclasses import dataclass, field
 from . import autostart, breaker, errors, protocol
 from .channel import Channel, Deadline
 from .fdpass import close_fds
+from .liveness import process_alive
 from .paths import resolve_socket_path
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_RECLAIM_DEADLINE = 8.0
+# How long reclaim_all retries custody_held before it believes another live instance holds
+# the session (an old instance that is exiting lets go within this).
+DEFAULT_CUSTODY_GRACE = 1.0
 
 
 @dataclass
@@ -121,15 +125,17 @@ class EscrowClient:
         finally:
             channel.close()
 
-    def _check_invariant(self, welcome: protocol.Welcome, budget: float) -> None:
+    def _check_invariant(
+        self, welcome: protocol.Welcome, budget: float, what: str = "client timeout"
+    ) -> None:
         """DESIGN §4 step 2: never start a retrieve we would give up on while the holder is
         still legitimately stopping the drain and sending."""
         holder_needs = welcome.drain_stop_budget + welcome.send_deadline
         if budget <= holder_needs:
             raise errors.EscrowConfigError(
-                f"client timeout {budget:.3g}s must exceed the holder's drain_stop_budget "
+                f"{what} {budget:.3g}s must exceed the holder's drain_stop_budget "
                 f"({welcome.drain_stop_budget:.3g}s) + send_deadline "
-                f"({welcome.send_deadline:.3g}s) = {holder_needs:.3g}s; raise the timeout"
+                f"({welcome.send_deadline:.3g}s) = {holder_needs:.3g}s; raise the {what}"
             )
 
     # --- depositing -----------------------------------------------------------------------
@@ -264,12 +270,19 @@ class EscrowClient:
             # released, expired or unknown: the holder has no copy left; ours is the only one.
             return result
 
-    def reclaim_all(self, deadline: float = DEFAULT_RECLAIM_DEADLINE) -> ReclaimReport:
+    def reclaim_all(
+        self, deadline: float = DEFAULT_RECLAIM_DEADLINE, grace: float = DEFAULT_CUSTODY_GRACE
+    ) -> ReclaimReport:
         """Retrieve every session of this owner under one shared deadline.
 
-        `custody_held` is retried while time is left (the old instance may still be
-        exiting); no retrieve starts with less than the holder's drain-stop budget plus
-        send deadline left. Sessions not retrieved stay escrowed and are in `failed`.
+        `custody_held` is retried for `grace` seconds (the old instance may still be
+        exiting); after that, a session whose custodian process is alive (or cannot be
+        told dead) is reported as `CustodyHeld` at once: another live instance holds it.
+        One whose custodian is positively dead is retried to the deadline (the holder is
+        about to see the hang-up). No retrieve starts with less than the holder's
+        drain-stop budget plus send deadline left, and a `deadline` too short for even one
+        is an `EscrowConfigError` before any retrieve is sent. Sessions not retrieved stay
+        escrowed and are in `failed`, each with the last real answer it got.
         If the holder cannot even list the sessions (nothing listening, or no answer), that
         error is raised: there is nothing to name in `failed`.
         """
@@ -279,25 +292,35 @@ class EscrowClient:
         try:
             call = Deadline(min(self.timeout, until.remaining()))
             channel = self._connect(call)
+            w = channel.welcome
+            self._check_invariant(w, self.timeout)
+            self._check_invariant(w, deadline, "reclaim deadline")
             reply, _ = channel.call(protocol.List(), call)
             assert isinstance(reply, protocol.Sessions)
-            pending = [s.id for s in reply.sessions if s.state in protocol.LIVE_STATES]
+            live = {s.id: s for s in reply.sessions if s.state in protocol.LIVE_STATES}
+            pending = list(live)
+            grace_ends = Deadline(grace)
             pause = 0.02
             while pending:
                 retry: list[str] = []
                 for sid in pending:
-                    w = channel.welcome
                     if until.remaining() <= w.drain_stop_budget + w.send_deadline:
-                        report.failed[sid] = errors.HolderUnresponsive(
-                            f"not enough of the reclaim deadline left to retrieve {sid}", sid)
+                        # Out of time: keep the last real answer (custody_held, busy) if
+                        # the session had one.
+                        report.failed.setdefault(sid, errors.HolderUnresponsive(
+                            f"not enough of the reclaim deadline left to retrieve {sid}", sid))
                         continue
                     call = Deadline(min(self.timeout, until.remaining()))
                     try:
                         if channel.sock.fileno() < 0:
                             channel = self._connect(call)
                         report.retrieved[sid] = self._retrieve_on(channel, sid, call)
-                    except (errors.CustodyHeld, errors.Busy) as exc:
-                        retry.append(sid)
+                    except errors.CustodyHeld as exc:
+                        report.failed[sid] = exc
+                        if grace_ends.remaining() > 0 or _custodian_dead(live[sid]):
+                            retry.append(sid)
+                    except errors.Busy as exc:
+                        retry.append(sid)  # another client's handoff may yet be put back
                         report.failed[sid] = exc
                     except errors.EscrowError as exc:
                         report.failed[sid] = exc
@@ -383,6 +406,11 @@ class Custody:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _custodian_dead(info: protocol.SessionInfo) -> bool:
+    """Positive proof only: the custodian's pid is gone, or a zombie."""
+    return process_alive(info.custodian_pid, None) is False
 
 
 def _valid_name(name: str) -> bool:

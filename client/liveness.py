@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from . import paths, protocol
+from . import errors, paths, protocol, trust
 from .channel import MAX_RESPONSE_BYTES
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket, lock_holder_pid, peer_credentials
@@ -73,6 +73,7 @@ ERROR_ANSWER = "error_answer"  # the holder answered with an `error` (limit, for
 REFUSED = "refused"  # ECONNREFUSED: nothing listens on that file
 MISSING = "missing"  # ENOENT: no socket file
 ERROR = "error"  # anything else (EACCES, a bad frame, ...)
+UNTRUSTED = "untrusted"  # the listener is another user's: nothing was sent to it
 
 _NO_ANSWER = (ACCEPTED_NO_ANSWER,)
 _NOT_SERVING = (MISSING, REFUSED)
@@ -158,8 +159,11 @@ def probe_socket(socket_path: str, timeout: float, list_sessions: bool = False) 
         probe = SocketProbe(ACCEPTED_NO_ANSWER)
         try:
             probe.peer_pid = peer_credentials(sock)[0]
+            trust.check_peer(sock, socket_path)
         except OSError:
             pass
+        except errors.Forbidden as exc:
+            return SocketProbe(UNTRUSTED, error=str(exc), peer_pid=probe.peer_pid)
         try:
             hello = protocol.Hello(version=protocol.VERSION, owner=ADMIN_OWNER,
                                    client=f"escrowctl status pid={os.getpid()}",
@@ -274,6 +278,10 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     | nobody holds the lock, and no socket file or pidfile exists      | `not_running`   |
     | anything else (the lock cannot be read, say)                     | `indeterminate` |
 
+    Trust first (DESIGN §6): a socket directory that is not this user's own (or a listener
+    of another uid) is `indeterminate`, with `evidence["trust"]` saying why, and nothing
+    there is read or sent to.
+
     Read-only: it deletes nothing, creates nothing and takes no lock (F_GETLK only asks),
     so it never stops a holder from starting. Positive proof only: the lock is read before
     and after the socket is tried, and `dead` or `not_running` need it free both times and
@@ -282,6 +290,15 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     start time also rules out `dead`. A pidfile that is missing, empty or half-written is
     no evidence either way. A kernel-held lock is itself proof that its holder is alive.
     """
+    try:
+        trust.check_socket_dir(socket_path)
+    except errors.HolderUnavailable:
+        pass  # no directory: nothing is there, as the rows below will find
+    except errors.EscrowError as exc:
+        # Another user's directory: its files and its listener prove nothing about our
+        # holder, and nothing in it is touched.
+        return Verdict("indeterminate", socket_path, reason=str(exc),
+                       evidence={"trust": str(exc), "timeout": timeout})
     lock_before = read_lock(socket_path)
     files_before = _holder_files(socket_path)
     probe = probe_socket(socket_path, timeout, list_sessions)
@@ -297,6 +314,7 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     leftovers = [f for f in files_after if f in files_before] if free else []
     lock_pid = lock.pid if lock.state == "held" else None
     evidence: dict[str, Any] = {
+        "trust": probe.error if probe.answer == UNTRUSTED else None,
         "answered_status": probe.answer == ANSWERED,
         "timeout": timeout,
         "socket_exists": socket_file != "missing",
@@ -320,7 +338,9 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     }
     verdict = Verdict("indeterminate", socket_path, evidence=evidence)
     who = f"pid {lock_pid}" if lock_pid is not None else "a process"
-    if probe.answer == ANSWERED and probe.status is not None:
+    if probe.answer == UNTRUSTED:
+        verdict.reason = probe.error or "the listener is not this user's holder"
+    elif probe.answer == ANSWERED and probe.status is not None:
         verdict.state, verdict.pid = "running", probe.status.pid
         verdict.holder, verdict.sessions = probe.status, probe.sessions
         verdict.reason = f"pid {probe.status.pid} answered status"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from dataclasses import dataclass
 
 SOCKET_ENV = "ESCROW_SOCKET"
@@ -20,16 +19,22 @@ class PathError(Exception):
     """A socket path or its directory cannot be used safely; the message says why."""
 
 
+# Literally /tmp, never $TMPDIR: on macOS $TMPDIR differs between a GUI app, a shell and a
+# LaunchAgent of the same user, and they must all find the same holder (tmux's answer too,
+# with the same strict checks on the directory: see trust.py).
+SHARED_TMP = "/tmp"
+
+
 def default_socket_path() -> str:
-    """`$ESCROW_SOCKET`, else `$XDG_RUNTIME_DIR/escrowd/escrowd.sock`, else a per-user
-    directory under the temp dir."""
+    """`$ESCROW_SOCKET`, else `$XDG_RUNTIME_DIR/escrowd/escrowd.sock`, else
+    `/tmp/escrowd-<uid>/escrowd.sock`."""
     explicit = os.environ.get(SOCKET_ENV)
     if explicit:
         return explicit
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "escrowd", "escrowd.sock")
-    return os.path.join(tempfile.gettempdir(), f"escrowd-{os.getuid()}", "escrowd.sock")
+    return os.path.join(SHARED_TMP, f"escrowd-{os.getuid()}", "escrowd.sock")
 
 
 def resolve_socket_path(path: str | None) -> str:

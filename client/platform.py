@@ -15,7 +15,7 @@ import struct
 import sys
 import termios
 
-IS_LINUX = sys.platform.startswith("linux")
+IS_LINUX = sys.platform == "linux"
 IS_MACOS = sys.platform == "darwin"
 
 # Flags for every send: a peer that hung up gives EPIPE, never a SIGPIPE that kills us.
@@ -24,9 +24,14 @@ SEND_FLAGS: int = getattr(socket, "MSG_NOSIGNAL", 0)
 RECV_FLAGS: int = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 _TIOCGPTN = 0x80045430  # Linux: the pty number of a master; fails on anything else
+_TIOCGPTPEER = 0x5441  # Linux 4.13+: an fd for the slave of a master
 _SOL_LOCAL = 0  # macOS <sys/un.h>
 _LOCAL_PEERCRED = 0x001  # macOS: struct xucred
 _LOCAL_PEERPID = 0x002  # macOS: pid_t
+# macOS struct xucred { u_int cr_version; uid_t cr_uid; short cr_ngroups;
+# gid_t cr_groups[16]; }: 4 + 4 + 2 (+ 2 padding) + 64 bytes.
+_XUCRED = struct.Struct("=IIh2x16I")
+_XUCRED_VERSION = 0
 
 
 def harden_socket(sock: socket.socket) -> None:
@@ -45,25 +50,35 @@ def mark_cloexec(fds: list[int]) -> None:
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int | None, int]:
-    """Return (pid or None, uid) of the process at the other end of a Unix socket."""
-    if IS_LINUX:
+    """Return (pid or None, uid) of the process at the other end of a Unix socket (for a
+    client: the process that made the holder's socket listen)."""
+    if sys.platform == "linux":
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, _gid = struct.unpack("3i", raw)
         return pid, uid
-    if IS_MACOS:
-        # struct xucred { u_int cr_version; uid_t cr_uid; short cr_ngroups; gid_t cr_groups[16]; }
-        raw = sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERCRED, 76)
-        uid = struct.unpack_from("I", raw, 4)[0]
+    if sys.platform == "darwin":
+        uid = xucred_uid(sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERCRED, _XUCRED.size))
         pid = struct.unpack("i", sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERPID, 4))[0]
         return pid, uid
     raise OSError(errno.ENOSYS, "peer credentials are not supported on this platform")
+
+
+def xucred_uid(raw: bytes) -> int:
+    """The uid in a macOS `struct xucred` (LOCAL_PEERCRED). A short or unknown-version
+    answer is an OSError: a uid that cannot be read must never pass for one."""
+    if len(raw) < 8:
+        raise OSError(errno.EINVAL, f"LOCAL_PEERCRED returned {len(raw)} bytes")
+    version, uid = struct.unpack_from("=II", raw)
+    if version != _XUCRED_VERSION:
+        raise OSError(errno.EINVAL, f"LOCAL_PEERCRED returned xucred version {version}")
+    return int(uid)
 
 
 def is_pty_master(fd: int) -> bool:
     """True if `fd` is a terminal and, where the platform can tell, the master side of a pty."""
     if not os.isatty(fd):
         return False
-    if IS_LINUX:
+    if sys.platform == "linux":
         try:
             fcntl.ioctl(fd, _TIOCGPTN, b"\0\0\0\0")
         except OSError:
@@ -71,9 +86,33 @@ def is_pty_master(fd: int) -> bool:
     return True
 
 
+def terminal_identity(fd: int) -> tuple[int, int] | None:
+    """Which terminal the pty master `fd` is, across devpts instances: None where the
+    platform cannot tell.
+
+    The pts number alone is not enough: every devpts instance (a container, toolbox, bwrap)
+    counts from 0. On Linux the slave, reached with TIOCGPTPEER and opened O_PATH (which
+    does not open the tty, so nothing about the terminal changes), names its devpts
+    instance (st_dev) and its number (st_rdev). Kernels before 4.13 lack TIOCGPTPEER:
+    there the pts number is all there is, in an instance of its own (-1).
+    """
+    if sys.platform != "linux":
+        return None
+    try:
+        peer = fcntl.ioctl(fd, _TIOCGPTPEER, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        number = pty_number(fd)
+        return None if number is None else (-1, number)
+    try:
+        st = os.fstat(peer)
+        return (st.st_dev, st.st_rdev)
+    finally:
+        os.close(peer)
+
+
 def pty_number(fd: int) -> int | None:
     """The N of /dev/pts/N for a Linux pty master; None where the platform cannot tell."""
-    if not IS_LINUX:
+    if sys.platform != "linux":
         return None
     try:
         raw = fcntl.ioctl(fd, _TIOCGPTN, b"\0\0\0\0")
@@ -100,16 +139,27 @@ def open_fd_count() -> int | None:
 
 # struct flock: Linux {short l_type, l_whence; off_t l_start, l_len; pid_t l_pid}, macOS
 # {off_t l_start, l_len; pid_t l_pid; short l_type, l_whence}.
-_FLOCK = "@hhqqi4x" if IS_LINUX else "@qqihh"
+_FLOCK_LAYOUT = {"linux": "@hhqqi4x", "darwin": "@qqihh"}
+
+
+def flock_query(platform: str) -> bytes:
+    """A `struct flock` asking about a write lock on the whole file, for `platform`."""
+    if platform == "linux":
+        return struct.pack(_FLOCK_LAYOUT[platform], fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    return struct.pack(_FLOCK_LAYOUT[platform], 0, 0, 0, fcntl.F_WRLCK, os.SEEK_SET)
+
+
+def flock_holder(platform: str, answer: bytes) -> int | None:
+    """The pid in F_GETLK's answer for `platform`, or None if the lock is free."""
+    if platform == "linux":
+        l_type, _, _, _, l_pid = struct.unpack(_FLOCK_LAYOUT[platform], answer)
+    else:
+        _, _, l_pid, l_type, _ = struct.unpack(_FLOCK_LAYOUT[platform], answer)
+    return None if l_type == fcntl.F_UNLCK else int(l_pid)
 
 
 def lock_holder_pid(fd: int) -> int | None:
     """The pid holding a conflicting write lock on the whole file `fd`, or None if nobody
     does. F_GETLK takes nothing: it only asks."""
-    if IS_LINUX:
-        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-        l_type, _, _, _, l_pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
-    else:
-        query = struct.pack(_FLOCK, 0, 0, 0, fcntl.F_WRLCK, os.SEEK_SET)
-        _, _, l_pid, l_type, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
-    return None if l_type == fcntl.F_UNLCK else int(l_pid)
+    platform = "linux" if IS_LINUX else "darwin"
+    return flock_holder(platform, fcntl.fcntl(fd, fcntl.F_GETLK, flock_query(platform)))

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"escrowd {__version__}")
     p.add_argument("--socket", metavar="PATH",
                    help="socket path (default: $ESCROW_SOCKET, else "
-                   "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else a per-user temp directory)")
+                   "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else /tmp/escrowd-<uid>/escrowd.sock)")
     p.add_argument("--drain-stop-budget", type=float, default=d.drain_stop_budget,
                    metavar="SECONDS", help="time to stop a drain and sweep before a handoff")
     p.add_argument("--send-deadline", type=float, default=d.send_deadline, metavar="SECONDS",

@@ -8,6 +8,7 @@ Every line about a session carries `session=owner/id`; every state change carrie
 from __future__ import annotations
 
 import os
+import re
 import select
 import sys
 import time
@@ -15,13 +16,28 @@ import time
 _MAX_VALUE = 1000  # characters of one value; a longer one is cut and marked with "..."
 
 
+# Characters a client could use to steer a reader of the log: line breaks (a forged line),
+# C0 and C1 controls (ESC and CSI recolour or clear a terminal showing a foreground
+# holder), and invisible format characters (bidi overrides reorder what is shown).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    c = match.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
 def _format(value: object) -> str:
+    """One value, safe to print: quoted (so that `shlex.split` gives it back) when it holds
+    a space, a quote, `=` or a backslash, and with every unsafe character written as an
+    escape (`\\n`, `\\x1b`, `\\u202e`), never as itself."""
     text = f"{value:.3f}" if isinstance(value, float) else str(value)
     if len(text) > _MAX_VALUE:
         text = text[: _MAX_VALUE - 3] + "..."
-    if text == "" or any(c in text for c in " \"'=\\\n\t"):
-        escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        return f'"{escaped}"'
+    if text == "" or _UNSAFE.search(text) or any(c in text for c in " \"'=\\"):
+        escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + _UNSAFE.sub(_escape_char, escaped) + '"'
     return text
 
 

@@ -18,6 +18,7 @@ from .ring import Ring, RingBudget
 from .session import Session
 
 Key = tuple[str, str]
+Terminal = tuple[int, int]  # platform.terminal_identity: (devpts instance, pts number)
 
 
 class RegistryError(Exception):
@@ -41,17 +42,16 @@ class Registry:
         self.handoffs = 0  # completed (acked) handoffs, for holder_status
         self.handoffs_failed = 0  # handoffs put back: send failed, no ack, interrupted
 
-    def check_room(self, key: Key, pty_number: int | None = None) -> None:
-        """Raise `exists` or `limit` if a session with `key` (on that pty) cannot be added
-        now. One terminal under two ids would have two readers splitting its output."""
+    def check_room(self, key: Key, terminal: Terminal | None = None) -> None:
+        """Raise `exists` or `limit` if a session with `key` (on that terminal) cannot be
+        added now. One terminal under two ids would have two readers splitting its output."""
         if key in self.live:
             raise RegistryError("exists", f"a live session {key[0]}/{key[1]} already exists")
-        if pty_number is not None:
+        if terminal is not None:
             for other in self.live.values():
-                if other.pty_number == pty_number:
+                if other.terminal == terminal:
                     raise RegistryError(
-                        "exists", f"that terminal (pts {pty_number}) is already escrowed as "
-                        f"{other.name}",
+                        "exists", f"that terminal is already escrowed as {other.name}"
                     )
         if len(self.live) >= self.max_sessions:
             raise RegistryError(

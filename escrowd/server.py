@@ -20,7 +20,7 @@ import trio
 from escrow_client import protocol
 from escrow_client.fdpass import TruncatedFds
 from escrow_client.liveness import process_start_time
-from escrow_client.platform import is_pty_master, open_fd_count, pty_number
+from escrow_client.platform import is_pty_master, open_fd_count, terminal_identity
 
 from . import __version__, handoff
 from .config import Config
@@ -343,10 +343,11 @@ class Holder:
         try:
             if not is_pty_master(fd):
                 raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
-            self.registry.check_room((conn.owner, request.id), pty_number(fd))
+            terminal = terminal_identity(fd)
+            self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
             session = Session(conn.owner, request, fd, self.registry.new_ring(), conn,
-                              conn.peer_pid, start_time, pty_number(fd))
+                              conn.peer_pid, start_time, terminal, conn.client)
             self.registry.add(session)
         except RegistryError as exc:
             os.close(fd)

@@ -37,7 +37,8 @@ def notify(state: str) -> bool:
     elif not address.startswith("/"):
         return False  # e.g. vsock:..., which a per-user holder never gets
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        # Close-on-exec: Python makes every socket non-inheritable (PEP 446).
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.setblocking(False)
             sock.connect(address)
             sock.sendmsg([state.encode()], [], getattr(socket, "MSG_NOSIGNAL", 0))

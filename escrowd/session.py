@@ -52,7 +52,8 @@ class Session:
         custodian: object,
         custodian_pid: int | None,
         child_start_time: float | None,
-        pty_number: int | None = None,
+        terminal: tuple[int, int] | None = None,
+        client: str = "",
     ) -> None:
         self.owner = owner
         self.id = deposit.id
@@ -61,7 +62,7 @@ class Session:
         self.child_start_time = child_start_time
         self.cols, self.rows, self.meta = deposit.cols, deposit.rows, deposit.meta
         self.fd = fd
-        self.pty_number = pty_number  # which /dev/pts/N: one terminal, one session
+        self.terminal = terminal  # which pty, across devpts instances: one terminal, one session
         self.ring = ring
         self.custodian: object | None = custodian
         self.custodian_pid = custodian_pid
@@ -74,7 +75,8 @@ class Session:
         self._drain_done: trio.Event | None = None
         self._poller: select.poll | None = None  # POLLIN on fd, made once per fd
         self._slice_used_up = False  # the last pull() stopped at `at_most`, not at empty
-        self.log("state", state="held", reason="deposited", child_pid=self.child_pid)
+        self.log("state", state="held", reason="deposited", child_pid=self.child_pid,
+                 label=self.label or None, client=client or None)
 
     @property
     def key(self) -> tuple[str, str]:

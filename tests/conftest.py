@@ -41,6 +41,28 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
         time.sleep(0.005)
 
 
+ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_real(component: str, available: bool, how: str) -> None:
+    """A test of a real component (a program, root, a second uid) cannot run without it:
+    on CI that is a failure, never a skip; elsewhere it is skipped, saying `how` to get it."""
+    if available:
+        return
+    message = f"{component} is needed and missing here: {how}"
+    if ON_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def require_program(name: str) -> str:
+    """The path of system program `name` (installed by `scripts/setup --test`)."""
+    path = shutil.which(name)
+    require_real(name, path is not None, "run scripts/setup --test, which installs it")
+    assert path is not None
+    return path
+
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -1,7 +1,8 @@
-"""The project as a user installs it: a wheel in a clean venv, and the editable .venv.
+"""The project as a user installs it: with pipx (the README's command), and the editable
+.venv.
 
-The wheel test is the slow one in the suite (about 5-30 s, most of it `python -m build` and
-`pip install`; the first run on a machine also downloads the build backend and the
+The install test is the slow one in the suite (about 20-40 s, most of it `python -m build`
+and `pipx install`; the first run on a machine also downloads the build backend and the
 dependencies from PyPI). It still runs in the normal suite: a packaging mistake (a module
 left out of the wheel, a console script pointing nowhere, trio leaking into the client)
 would otherwise only show up on a user's machine.
@@ -15,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import venv
 import zipfile
 from pathlib import Path
 
@@ -35,11 +35,12 @@ _NOT_SOURCE = shutil.ignore_patterns(
 )
 
 
-def run(argv: list[str | Path], cwd: Path, timeout: float = 120.0) -> str:
+def run(argv: list[str | Path], cwd: Path, timeout: float = 120.0,
+        env: dict[str, str] | None = None) -> str:
     """Run `argv` in `cwd` (never the repo, so the source tree is not on sys.path)."""
     result = subprocess.run(
         [str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        stdin=subprocess.DEVNULL, env=_clean_env(),
+        stdin=subprocess.DEVNULL, env={**_clean_env(), **(env or {})},
     )
     assert result.returncode == 0, (
         f"{argv} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -56,7 +57,10 @@ def _clean_env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
+def test_pipx_install_as_the_readme_says(tmp_path: Path) -> None:
+    """Incident pinned: the README said `pip install --user .`, which Debian 12 refuses
+    (an externally managed environment). The recommended `pipx install .` gives a working
+    escrowd and escrowctl: `escrowctl status` says running, and the demo runs."""
     # Build from a copy of the source, so stale files in an old build/ cannot slip in.
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=_NOT_SOURCE)
@@ -70,10 +74,14 @@ def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
         assert module in names, f"{module} is missing from {wheel.name}"
     assert not [n for n in names if n.startswith(("client/", "tests/", "bench/"))]
 
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    python, bin_dir = env_dir / "bin" / "python", env_dir / "bin"
-    run([python, "-m", "pip", "install", "--quiet", wheel], cwd=tmp_path)
+    # Installed as the README says (pipx: Debian 12 refuses `pip install --user`), into a
+    # pipx home of its own, from the same source.
+    pipx_env = {"PIPX_HOME": str(tmp_path / "pipx"), "PIPX_BIN_DIR": str(tmp_path / "bin"),
+                "PIPX_MAN_DIR": str(tmp_path / "man")}
+    run([Path(sys.executable).parent / "pipx", "install", src], cwd=tmp_path, env=pipx_env)
+    env_dir = tmp_path / "pipx" / "venvs" / "fd-escrow"
+    python, bin_dir = env_dir / "bin" / "python", tmp_path / "bin"
+    assert (bin_dir / "escrowd").exists() and (bin_dir / "escrowctl").exists()
 
     where = run([python, "-c", "import escrowd, escrow_client; "
                  "print(escrowd.__file__); print(escrow_client.__file__)"], cwd=tmp_path)
@@ -84,7 +92,7 @@ def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
     assert "usage: escrowctl" in run([bin_dir / "escrowctl", "--help"], cwd=tmp_path)
 
     # The installed pair works together: its holder, its escrowctl, and the demo's
-    # `python -m escrow_client.demo` processes, all from the clean venv.
+    # `python -m escrow_client.demo` processes, all from the pipx install.
     # A short directory: tmp_path is too long for a Unix socket path (108 bytes).
     sock_dir = Path(tempfile.mkdtemp(prefix="esc-pkg-"))
     try:
@@ -96,8 +104,8 @@ def test_wheel_installs_into_a_clean_venv(tmp_path: Path) -> None:
                                       env=_clean_env())
         try:
             wait_for(lambda: " event=ready " in log.read_text(), 15.0, "installed escrowd")
-            assert "running" in run([bin_dir / "escrowctl", "--socket", sock, "status"],
-                                    cwd=tmp_path)
+            assert "escrowd: running" in run([bin_dir / "escrowctl", "--socket", sock,
+                                               "status"], cwd=tmp_path)
             demo = run([bin_dir / "escrowctl", "--socket", sock, "demo"], cwd=tmp_path,
                        timeout=30)
             assert "(same process)" in demo

@@ -1,6 +1,6 @@
-"""The holder under a service manager: systemd's notify socket and watchdog, socket activation
-the way systemd does it, the user units (checked by `systemd-analyze verify`), and the
-LaunchAgent plist (checked against the real CLI).
+"""The holder under a service manager: systemd's notify socket and watchdog, and socket
+activation the way systemd does it. (The unit files and the LaunchAgent themselves:
+test_install_service.py.)
 
 Every holder here is a real `python -m escrowd` process; the notify socket and the activated
 listening socket are owned by the test, exactly where systemd would own them.
@@ -8,17 +8,12 @@ listening socket are owned by the test, exactly where systemd would own them.
 
 from __future__ import annotations
 
-import configparser
 import os
-import plistlib
 import re
-import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,14 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OWNER, HolderProcess, PtyChild, wait_for
+from conftest import HolderProcess, PtyChild, wait_for
 from escrowd import service
-
-ROOT = Path(__file__).resolve().parent.parent
-SERVICE_UNIT = ROOT / "systemd" / "escrowd.service"
-SOCKET_UNIT = ROOT / "systemd" / "escrowd.socket"
-PLIST = ROOT / "launchd" / "com.fd-escrow.escrowd.plist"
-VENV_ESCROWD = Path(sys.executable).parent / "escrowd"
 
 # Variables a service manager sets; a test run under systemd must not leak its own into the
 # holders it starts.
@@ -473,118 +462,3 @@ def test_socket_activation_refuses_what_it_cannot_serve(
     assert line and message in line[0], logs
     assert " event=ready " not in logs
     assert not os.path.exists(str(activation_dir / "escrowd.sock.pid"))
-
-
-# --- the systemd units ----------------------------------------------------------------------
-
-
-def read_unit(path: Path) -> configparser.RawConfigParser:
-    parser = configparser.RawConfigParser(strict=False, delimiters=("=",),
-                                          comment_prefixes=("#", ";"))
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
-    parser.read(path)
-    return parser
-
-
-def escrowd_help() -> str:
-    result = subprocess.run([str(VENV_ESCROWD), "--help"], capture_output=True, text=True,
-                            timeout=30, env=clean_env())
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def options_of(words: list[str]) -> set[str]:
-    return {w.split("=", 1)[0] for w in words if w.startswith("-")}
-
-
-def test_units_agree_with_each_other_and_the_cli() -> None:
-    sock, svc = read_unit(SOCKET_UNIT), read_unit(SERVICE_UNIT)
-    s = svc["Service"]
-    assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
-    # Stopping the holder signals escrowd alone, never anything else in its cgroup; a clean
-    # stop is not undone by a restart, a crash or a watchdog timeout is.
-    assert s["KillMode"] == "process"
-    assert s["Restart"] == "on-failure"
-    assert float(s["WatchdogSec"]) > 0
-    argv = shlex.split(s["ExecStart"])
-    assert argv[0] == "%h/.local/bin/escrowd"
-    # The holder serves the path systemd listens on: lock, pidfile and clients agree.
-    assert argv[argv.index("--socket") + 1] == sock["Socket"]["ListenStream"]
-    assert sock["Socket"]["ListenStream"] == "%t/escrowd/escrowd.sock"
-    assert sock["Socket"]["SocketMode"] == "0600" and sock["Socket"]["DirectoryMode"] == "0700"
-    assert svc["Unit"]["Requires"] == "escrowd.socket"
-    assert options_of(argv[1:]) <= options_of(escrowd_help().split())
-
-
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze is not installed here")
-def test_systemd_analyze_verify_accepts_both_units() -> None:
-    assert VENV_ESCROWD.exists(), VENV_ESCROWD
-    with tempfile.TemporaryDirectory(prefix="esc-verify-") as tmp:
-        home, runtime = Path(tmp) / "home", Path(tmp) / "run"
-        (home / ".local" / "bin").mkdir(parents=True)
-        runtime.mkdir(mode=0o700)
-        # verify checks that ExecStart exists: %h/.local/bin/escrowd, as after an install.
-        (home / ".local" / "bin" / "escrowd").symlink_to(VENV_ESCROWD)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
-               "XDG_RUNTIME_DIR": str(runtime), "SYSTEMD_PAGER": "", "LANG": "C.UTF-8"}
-
-        def verify(*units: Path) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(["systemd-analyze", "--user", "verify", *map(str, units)],
-                                  capture_output=True, text=True, timeout=60, env=env, cwd=tmp)
-
-        result = verify(SOCKET_UNIT, SERVICE_UNIT)
-        print(f"systemd-analyze --user verify: exit {result.returncode}\n"
-              f"stdout: {result.stdout!r}\nstderr: {result.stderr!r}")
-        assert result.returncode == 0
-        assert result.stdout == "" and result.stderr == ""
-
-        # The check is live: the same run over a unit with a mistake does complain.
-        broken = Path(tmp) / "units"
-        broken.mkdir()
-        shutil.copy(SOCKET_UNIT, broken / "escrowd.socket")
-        (broken / "escrowd.service").write_text(
-            SERVICE_UNIT.read_text().replace("KillMode=process", "KillMode=process\nKilMode=x")
-        )
-        complaint = verify(broken / "escrowd.socket", broken / "escrowd.service")
-        assert "KilMode" in complaint.stdout + complaint.stderr
-
-
-# --- the LaunchAgent ------------------------------------------------------------------------
-
-
-def test_launchd_plist_matches_the_cli(socket_dir: Path,
-                                       stopped_at_teardown: list[HolderProcess]) -> None:
-    with open(PLIST, "rb") as f:
-        plist = plistlib.load(f)
-    assert plist["Label"] == "com.fd-escrow.escrowd" == PLIST.stem
-    assert plist["RunAtLoad"] is True
-    assert plist["KeepAlive"] == {"SuccessfulExit": False}  # restart on failure only
-    assert plist.get("ProcessType", "Standard") != "Background"  # not throttled
-    for key in ("StandardOutPath", "StandardErrorPath"):
-        assert re.fullmatch(r"/Users/USERNAME/Library/Logs/[\w.-]+\.log", plist[key]), plist[key]
-    program, *args = plist["ProgramArguments"]
-    assert program == "/Users/USERNAME/.local/bin/escrowd"
-    assert os.path.basename(program) == "escrowd"
-    assert options_of(args) <= options_of(escrowd_help().split())
-
-    # The real CLI, with exactly the plist's arguments, starts a holder (on the default
-    # socket, here pointed into a temp directory) and stops cleanly on SIGTERM.
-    directory = socket_dir / "launchd"
-    directory.mkdir(mode=0o700)
-    sock = str(directory / "escrowd.sock")
-    log_path = directory / "escrowd.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(VENV_ESCROWD), *args], stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=log, env=clean_env(ESCROW_SOCKET=sock))
-    holder = HolderProcess(sock, proc, log_path)
-    stopped_at_teardown.append(holder)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"escrowd exited with {proc.returncode}: {holder.logs()}")
-        return " event=ready " in holder.logs()
-
-    wait_for(ready, 15.0, "escrowd started as the plist starts it")
-    assert holder.client(OWNER).status().pid == proc.pid
-    assert stop(holder) == 0

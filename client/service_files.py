@@ -1,0 +1,155 @@
+"""The service files that start `escrowd`: systemd user units and a LaunchAgent, written for
+where escrowd really is (`escrowctl install-service`).
+
+One source for each text: the files shipped in `systemd/` and `launchd/` are these
+functions' output for a `pipx install` (a test keeps them equal), and `install-service`
+writes the same text with the paths of the running installation.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+LAUNCHD_LABEL = "com.fd-escrow.escrowd"
+# Where `pipx install` (and `pip install --user`) put console scripts: the shipped files
+# assume it, as the systemd specifier and as the macOS home of the placeholder user.
+SHIPPED_SYSTEMD_ESCROWD = "%h/.local/bin/escrowd"
+SHIPPED_LAUNCHD_HOME = "/Users/USERNAME"
+# The systemd socket: the default path under $XDG_RUNTIME_DIR (%t), as clients compute it.
+SYSTEMD_SOCKET = "%t/escrowd/escrowd.sock"
+
+
+def escrowd_command() -> list[str]:
+    """How to run this installation's escrowd: its console script beside the running
+    interpreter (a venv's or pipx's bin/), else `python -m escrowd` with that interpreter."""
+    script = Path(sys.executable).parent / "escrowd"
+    if os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "escrowd"]
+
+
+def systemd_service(command: list[str], socket_path: str = SYSTEMD_SOCKET,
+                    extra_args: list[str] | None = None) -> str:
+    words = [*command, "--socket", socket_path, *(extra_args or [])]
+    exec_start = shlex.join(_unit_escape(w) for w in words)
+    return f"""\
+# fd-escrow: the per-user holder of PTY masters. Install: `escrowctl install-service`
+# writes this file with the path of your escrowd (see README.md, "Running under systemd").
+[Unit]
+Description=fd-escrow holder (escrowd): keeps terminal sessions alive while apps restart
+Requires=escrowd.socket
+After=escrowd.socket
+
+[Service]
+# escrowd writes READY=1 on $NOTIFY_SOCKET once it serves, STATUS= lines (how many sessions
+# it holds), WATCHDOG=1 every WatchdogSec/2 and STOPPING=1 when it stops. Only escrowd
+# itself (the main process) writes there.
+Type=notify
+NotifyAccess=main
+# The socket comes from escrowd.socket (LISTEN_FDS); --socket must name the same path, so
+# that the lock, the pidfile and `escrowctl status` all refer to the socket clients use.
+ExecStart={exec_start}
+# The pings come from the holder's event loop: a wedged holder stops pinging and is
+# restarted (a watchdog timeout counts as a failure for Restart=on-failure).
+WatchdogSec=30
+# Only escrowd itself is ever signalled: the children of escrowed sessions belong to their
+# apps (and to the apps' cgroups), and nothing in this unit may kill them by accident.
+KillMode=process
+# A crash or a watchdog timeout restarts the holder; a clean stop (`escrowctl stop`,
+# `systemctl --user stop`, --idle-exit) does not. A stopped holder closes every terminal it
+# holds, so do not stop or restart it while sessions are escrowed (`escrowctl list`).
+Restart=on-failure
+RestartSec=1
+# Give the holder time to end its sessions in order before SIGKILL.
+TimeoutStopSec=10
+
+[Install]
+WantedBy=default.target
+Also=escrowd.socket
+"""
+
+
+def systemd_socket(socket_path: str = SYSTEMD_SOCKET) -> str:
+    return f"""\
+# fd-escrow: the holder's socket, owned by the user's systemd so the holder can start on
+# first connection. Install: `escrowctl install-service` (see README.md).
+[Unit]
+Description=fd-escrow holder socket (escrowd)
+
+[Socket]
+# The default socket path is $XDG_RUNTIME_DIR/escrowd/escrowd.sock (%t/escrowd/escrowd.sock).
+ListenStream={_unit_escape(socket_path)}
+SocketMode=0600
+DirectoryMode=0700
+# Keep the socket file when stopping, so clients see "refused" (a holder may come back).
+RemoveOnStop=no
+
+[Install]
+WantedBy=sockets.target
+"""
+
+
+def _unit_escape(word: str) -> str:
+    """`word` as a literal in a unit file, where % starts a specifier and $ a variable;
+    the two specifiers this module means (%h, %t) are kept."""
+    if word in (SHIPPED_SYSTEMD_ESCROWD, SYSTEMD_SOCKET):
+        return word
+    return word.replace("%", "%%").replace("$", "$$")
+
+
+def launchd_plist(command: list[str], socket_path: str, log_path: str,
+                  extra_args: list[str] | None = None) -> str:
+    """The LaunchAgent. It pins the socket path: launchd gives an agent a $TMPDIR of its
+    own, and the agent, the apps and a shell must all agree on one path."""
+    argv = [*command, "--socket", socket_path, *(extra_args or [])]
+    arguments = "\n".join(f"        <string>{escape(a)}</string>" for a in argv)
+    log = escape(log_path)
+    return f"""\
+<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
+<!-- fd-escrow: the per-user holder as a LaunchAgent. Install: `escrowctl install-service`
+     writes this file with the path of your escrowd and your socket (see README.md,
+     "Running under launchd"). -->
+<plist version="1.0">
+<dict>
+    <key>Label</key>
+    <string>{LAUNCHD_LABEL}</string>
+    <key>ProgramArguments</key>
+    <array>
+{arguments}
+    </array>
+    <key>RunAtLoad</key>
+    <true/>
+    <!-- Restart after a crash, not after a clean stop. -->
+    <key>KeepAlive</key>
+    <dict>
+        <key>SuccessfulExit</key>
+        <false/>
+    </dict>
+    <!-- Not Background: launchd throttles the CPU and I/O of Background jobs, and the holder
+         must keep draining terminals and answer an app's handoff within its deadlines. -->
+    <key>ProcessType</key>
+    <string>Standard</string>
+    <key>StandardOutPath</key>
+    <string>{log}</string>
+    <key>StandardErrorPath</key>
+    <string>{log}</string>
+</dict>
+</plist>
+"""
+
+
+def shipped_files() -> dict[str, str]:
+    """The texts of the files in the source tree, by path relative to its root."""
+    home = SHIPPED_LAUNCHD_HOME
+    return {
+        "systemd/escrowd.service": systemd_service([SHIPPED_SYSTEMD_ESCROWD]),
+        "systemd/escrowd.socket": systemd_socket(),
+        f"launchd/{LAUNCHD_LABEL}.plist": launchd_plist(
+            [f"{home}/.local/bin/escrowd"], "/tmp/escrowd-UID/escrowd.sock",
+            f"{home}/Library/Logs/escrowd.log"),
+    }
