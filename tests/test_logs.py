@@ -238,3 +238,35 @@ def test_peer_text_in_a_reason_does_not_break_a_line(
     assert first["reason"] == f"invalid message: Invalid value '{shown}' - at `$.type`"
     assert second["reason"].startswith("invalid message: Invalid value 'xxx")
     assert len(second["reason"]) < 1000
+
+
+def test_client_strings_cannot_steer_the_log(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """Incident pinned: a label, a client name or a handoff id is the client's to choose,
+    and went into the log as it came. Escape sequences (clear the screen, recolour, set the
+    title), a C1 CSI, a bidi override and a newline followed by a forged `event=` would
+    steer whoever reads a foreground holder's terminal, and break the one-line-per-event
+    rule. Each is written as a visible escape: the raw log holds no control character
+    but the newlines between lines, and every line splits back into its pairs."""
+    holder = make_holder()
+    nasty = "\x1b[2J\x1b[31mred\x9b0m\u202eevil\nts=0 event=forged"
+    kid = pty_children(SLEEPER)
+    client = holder.client(client_name=f"app {nasty}")
+    with client.custody() as custody:
+        custody.deposit("tab", kid.master, child_pid=kid.pid, label=nasty)
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(P.Ack(id="tab", handoff_id=nasty))
+        reply, _ = raw.receive()
+        assert isinstance(reply, P.Error) and reply.code == "ack_late"
+    raw_log = holder.logs()
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", raw_log), raw_log
+    lines = all_lines(holder)
+    assert not events(lines, "forged") and all(f["ts"] != "0" for f in lines)
+    shown = "\\x1b[2J\\x1b[31mred\\x9b0m\\u202eevil\\nts=0 event=forged"
+    [held] = [f for f in lines if f["event"] == "state" and f.get("state") == "held"]
+    assert held["label"] == shown
+    assert held["client"] == f"app {shown}"
+    [late] = events(lines, "ack_late")
+    assert late["handoff_id"] == shown
