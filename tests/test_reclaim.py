@@ -8,10 +8,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 
+import pytest
+
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
-from escrow_client import CustodyHeld
+from escrow_client import CustodyHeld, EscrowConfigError
 
 SHELL_TICKS = ["sh", "-c", 'i=0; while :; do i=$((i+1)); echo "T$i"; sleep 0.05; done']
 
@@ -54,6 +57,53 @@ def test_reclaim_all_takes_every_session_and_retries_custody_held(
     finally:
         for got in report.retrieved.values():
             os.close(got.fd)
+
+
+def test_reclaim_all_reports_a_live_other_instance_as_custody_held_at_once(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """Incident pinned: launched while another instance of the app was alive and holding a
+    session, reclaim_all spent 4.06 s retrying and then reported `HolderUnresponsive: not
+    enough of the reclaim deadline left`, as if the holder were wedged. After the short
+    grace (an old instance may be exiting), a session whose custodian process is alive is
+    `CustodyHeld`, within 2 s, and stays held; the others are reclaimed."""
+    kids = [pty_children(SHELL_TICKS) for _ in range(2)]
+    client = holder.client()
+    client.hand_off("free", kids[0].master, child_pid=kids[0].pid)
+    with client.custody() as other_instance:  # this process: alive throughout
+        other_instance.deposit("held", kids[1].master, child_pid=kids[1].pid)
+        started = time.monotonic()
+        report = client.reclaim_all()
+        took = time.monotonic() - started
+        print(f"reclaim_all with a live custodian took {took:.2f} s")
+        try:
+            assert sorted(report.retrieved) == ["free"]
+            assert isinstance(report.failed["held"], CustodyHeld), report.failed
+            assert took < 2.0
+            assert _states(holder)["held"] == "held"
+        finally:
+            for got in report.retrieved.values():
+                os.close(got.fd)
+
+
+def test_reclaim_deadline_too_short_for_one_retrieve_is_a_config_error(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """Incident pinned: reclaim_all(deadline=2) against a healthy idle holder (drain-stop
+    budget 3 s + send deadline 1 s) failed every session at once with HolderUnresponsive.
+    The deadline can never fit a retrieve: EscrowConfigError, before any retrieve is sent;
+    every session stays draining, untouched."""
+    kids = [pty_children(SHELL_TICKS) for _ in range(3)]
+    client = holder.client()
+    for n, kid in enumerate(kids):
+        client.hand_off(f"tab-{n}", kid.master, child_pid=kid.pid)
+    with pytest.raises(EscrowConfigError) as refused:
+        client.reclaim_all(deadline=2.0)
+    assert "reclaim deadline 2s must exceed" in str(refused.value)
+    assert set(_states(holder).values()) == {"draining"}
+    assert " state=handing_off " not in holder.logs()
+    counters = client.status().counters
+    assert counters["handoffs"] == 0 and counters["handoffs_failed"] == 0
 
 
 def test_single_retrieve_does_not_retry_custody_held(
