@@ -80,6 +80,7 @@ from escrow_client.fdpass import recv_frame, send_frame
 
 STEPS = ("connect", "hello", "retrieve_sent", "handoff_received", "acked")
 TIOCGPTN = 0x80045430
+SESSION_FDS = 3  # a session costs the holder its PTY master, its state file and mmap's dup of it
 SETTLE_TIMEOUT = 20.0  # the holder's ack deadline is 10 s; it notices a dead peer at once
 INVARIANTS = ("sessions_lost", "fds_leaked", "holder_died", "duplicate_handoffs",
               "sequence_gaps", "replay_mismatches", "bad_fds")
@@ -450,12 +451,12 @@ class Chaos:
             print(f"chaos: the holder counts {handoffs} handoffs, {self.acks_sent} acked",
                   file=sys.stderr)
         live = sum(1 for i in self.states().values() if i.state in protocol.LIVE_STATES)
-        with_sessions = self.holder.settled_fds(baseline_fds + live)
+        with_sessions = self.holder.settled_fds(baseline_fds + SESSION_FDS * live)
         for sid in self.sessions:
             with contextlib.suppress(EscrowError):
                 self.client.release(sid)
         after = self.holder.settled_fds(baseline_fds)
-        leaked = max(0, with_sessions - (baseline_fds + live), after - baseline_fds)
+        leaked = max(0, with_sessions - (baseline_fds + SESSION_FDS * live), after - baseline_fds)
         self.counts["fds_leaked"] = leaked
         final = self.holder.admin.status()
         return {"handoffs_by_holder": handoffs, "acks_sent": self.acks_sent,

@@ -64,7 +64,7 @@ class BenchHolder:
         start = time.perf_counter()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "escrowd", "--socket", self.socket, *args],
+                [sys.executable, "-m", "escrowd", "--bare", "--socket", self.socket, *args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         try:
             proc = self.proc

@@ -22,6 +22,8 @@ IS_MACOS = sys.platform == "darwin"
 SEND_FLAGS: int = getattr(socket, "MSG_NOSIGNAL", 0)
 # Flags for every recvmsg: received fds are close-on-exec from the moment they exist.
 RECV_FLAGS: int = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+# Linux: a datagram socket with this option is told each sender's pid (SCM_CREDENTIALS).
+PASSCRED: int | None = getattr(socket, "SO_PASSCRED", None)
 
 _TIOCGPTN = 0x80045430  # Linux: the pty number of a master; fails on anything else
 _TIOCGPTPEER = 0x5441  # Linux 4.13+: an fd for the slave of a master

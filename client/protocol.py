@@ -138,6 +138,9 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     cols: int = 0
     rows: int = 0
     meta: dict[str, str] = {}
+    # After a holder's unclean stop: the offset in the replay where at most one read of
+    # output may be missing. None: the replay is seamless.
+    replay_gap_at: int | None = None
 
 
 class Welcome(Message, tag="welcome"):
@@ -185,6 +188,14 @@ class HolderStatus(Message, tag="holder_status"):
     limits: dict[str, int] = {}
     open_fds: int | None = None
     rss_bytes: int | None = None
+    # Surviving the holder (DESIGN §11): this holder process, who keeps the fds while no
+    # holder runs ("systemd", "keeper" or "none"), and what it found at start.
+    instance: str = ""
+    fd_store: str = "none"
+    keeper_pid: int | None = None
+    adopted: int = 0
+    restarts: int = 0
+    unclean_restarts: int = 0
 
 
 class Error(Message, tag="error"):

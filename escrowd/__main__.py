@@ -1,4 +1,5 @@
-"""`escrowd`: run the holder in the foreground.
+"""`escrowd`: run the holder in the foreground, under its keeper (escrowd.keeper), or alone
+with `--bare` (as systemd's unit does: systemd keeps the fds then).
 
 Exit status: 0 after a clean stop (SIGTERM, SIGINT, or --idle-exit), 1 when it cannot start
 (the message says why, e.g. another holder already serves the socket), 2 for bad arguments.
@@ -10,23 +11,24 @@ import argparse
 import os
 import resource
 import signal
-import socket
 import sys
 
 import trio
 
 from escrow_client import paths
 
-from . import __version__
+from . import __version__, keeper
 from .config import Config, MiB
+from .fdstore import FdStore
 from .lifecycle import StartupError, claimed
 from .log import log
 from .server import Holder
 from .service import (
     ActivationError,
-    activated_listener,
+    Passed,
     keep_watchdog,
     notify,
+    passed_fds,
     status_line,
     watchdog_interval,
 )
@@ -40,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
         "output so nothing is lost.",
     )
     p.add_argument("--version", action="version", version=f"escrowd {__version__}")
+    p.add_argument("--bare", action="store_true",
+                   help="run the holder alone, without its keeper: for a service manager "
+                   "that keeps the fds itself (systemd's unit), and for tests. Without a "
+                   "fd store ($NOTIFY_SOCKET), its sessions die with it")
     p.add_argument("--socket", metavar="PATH",
                    help="socket path (default: $ESCROW_SOCKET, else "
                    "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else /tmp/escrowd-<uid>/escrowd.sock)")
@@ -92,20 +98,27 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     return config
 
 
-async def _run(config: Config, activated: socket.socket | None) -> None:
-    with claimed(config.socket_path, activated) as listening:
+async def _run(config: Config, passed: Passed, keeper_pid: int | None) -> None:
+    with claimed(config.socket_path, passed.listener, keeper_pid is not None) as listening:
         listener = trio.socket.from_stdlib_socket(listening)
-        holder = Holder(config)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_signals, holder, nursery.cancel_scope)
-            await nursery.start(_serve_then_stop, holder, listener, nursery.cancel_scope)
-            log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__)
-            ready_status = _status(holder)
-            notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={ready_status}")
-            interval = watchdog_interval()
-            if interval is not None:
-                log("watchdog", interval=interval)
-                nursery.start_soon(keep_watchdog, interval, lambda: _status(holder), ready_status)
+        store = FdStore(os.environ.get("NOTIFY_SOCKET"))
+        holder = Holder(config, store, keeper_pid)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_signals, holder)
+                await nursery.start(_serve_then_stop, holder, listener, passed.stored,
+                                    nursery.cancel_scope)
+                log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__,
+                    instance=holder.instance, fd_store=holder.store_kind)
+                ready_status = _status(holder)
+                notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={ready_status}")
+                interval = watchdog_interval()
+                if interval is not None:
+                    log("watchdog", interval=interval)
+                    nursery.start_soon(keep_watchdog, interval, lambda: _status(holder),
+                                       ready_status)
+        finally:
+            store.close()
 
 
 def _status(holder: Holder) -> str:
@@ -120,19 +133,23 @@ def _stopping(holder: Holder, reason: str) -> None:
 async def _serve_then_stop(
     holder: Holder,
     listener: trio.socket.SocketType,
+    stored: dict[str, list[int]],
     scope: trio.CancelScope,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    await holder.serve(listener, task_status=task_status)
-    _stopping(holder, "idle exit")
-    scope.cancel()  # idle exit: stop watching signals too
+    await holder.serve(listener, stored, task_status=task_status)
+    if holder.idle_exited:
+        _stopping(holder, "idle exit")
+    scope.cancel()  # stop watching signals and pinging the watchdog too
 
 
-async def _watch_signals(holder: Holder, scope: trio.CancelScope) -> None:
+async def _watch_signals(holder: Holder) -> None:
+    """SIGTERM or SIGINT: stop in order (Holder.serve), keeping every stored session for
+    the next holder; whoever keeps the store (systemd, the keeper) decides what is next."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             _stopping(holder, signal.Signals(signum).name)
-            scope.cancel()
+            holder.request_stop()
             return
 
 
@@ -148,6 +165,14 @@ def _raise_fd_limit() -> None:
             pass  # keep what we have; deposits past it get `limit`
 
 
+def _keeper_pid() -> int | None:
+    """The keeper that started this holder (its parent), if one did."""
+    value = os.environ.pop(keeper.KEEPER_ENV, None)
+    if value is None or not value.isdigit() or int(value) != os.getppid():
+        return None
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     # First, before any socket exists: a peer that hangs up must never kill the holder and
     # every session in it. Sends also use MSG_NOSIGNAL; this covers anything that does not.
@@ -155,12 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)
     _raise_fd_limit()
     parser = _parser()
-    config = _config(parser.parse_args(argv), parser)
+    args = parser.parse_args(argv)
+    config = _config(args, parser)
+    if not args.bare:
+        return keeper.main(config, sys.argv[1:] if argv is None else argv)
+    keeper_pid = _keeper_pid()
     try:
         # Before trio.run: the event loop opens fds of its own, and fd 3 must still be the
         # one systemd passed (or nothing) when it is looked at.
-        activated = activated_listener(config.socket_path)
-        trio.run(_run, config, activated)
+        passed = passed_fds(config.socket_path)
+        trio.run(_run, config, passed, keeper_pid)
     except (StartupError, paths.PathError, ActivationError) as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1

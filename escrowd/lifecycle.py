@@ -42,7 +42,7 @@ def take_lock(socket_path: str) -> int:
     return fd
 
 
-def _remove_leftover_socket(socket_path: str) -> None:
+def remove_leftover_socket(socket_path: str) -> None:
     try:
         st = os.lstat(socket_path)
     except FileNotFoundError:
@@ -53,7 +53,7 @@ def _remove_leftover_socket(socket_path: str) -> None:
     log("leftover_removed", path=socket_path, reason="no holder holds the lock")
 
 
-def _bind(socket_path: str) -> socket.socket:
+def bind_socket(socket_path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(socket_path)  # under umask 077: never briefly open to others
@@ -67,22 +67,33 @@ def _bind(socket_path: str) -> socket.socket:
 
 @contextlib.contextmanager
 def claimed(
-    socket_path: str, activated: socket.socket | None = None
+    socket_path: str, activated: socket.socket | None = None, under_keeper: bool = False
 ) -> Iterator[socket.socket]:
     """Claim `socket_path` for this holder and yield its listening socket (`activated`, the
     one the service manager passed, if any); on exit remove the socket file (unless the
-    manager owns it) and the pidfile (still under the lock), then drop the lock."""
+    manager owns it) and the pidfile (still under the lock), then drop the lock.
+
+    `under_keeper`: the keeper (escrowd.keeper) holds the lock and the socket and passed
+    the listener; the holder only writes the pidfile, and leaves everything to the keeper.
+    """
     paths.check_socket_path(socket_path)
+    if under_keeper:
+        if activated is None:
+            raise StartupError("the keeper passed no listening socket")
+        try:
+            _write_pidfile(socket_path, keeper=True)
+            yield activated
+        finally:
+            activated.close()
+        return
     paths.ensure_private_dir(os.path.dirname(socket_path))
     lock_fd = take_lock(socket_path)
     listener: socket.socket | None = activated
     try:
         if listener is None:
-            _remove_leftover_socket(socket_path)
-            listener = _bind(socket_path)
-        pid = os.getpid()
-        paths.write_pidfile(socket_path, pid, process_start_time(pid) or 0.0)
-        log("listening", socket=socket_path, pid=pid, activated=activated is not None)
+            remove_leftover_socket(socket_path)
+            listener = bind_socket(socket_path)
+        _write_pidfile(socket_path, keeper=False, activated=activated is not None)
         yield listener
     finally:
         if listener is not None:
@@ -92,3 +103,10 @@ def claimed(
                     if leftover != socket_path or activated is None:
                         os.unlink(leftover)
         os.close(lock_fd)
+
+
+def _write_pidfile(socket_path: str, keeper: bool, activated: bool = True) -> None:
+    pid = os.getpid()
+    paths.write_pidfile(socket_path, pid, process_start_time(pid) or 0.0)
+    log("listening", socket=socket_path, pid=pid, activated=activated,
+        keeper=os.getppid() if keeper else None)

@@ -14,8 +14,10 @@ import msgspec
 from escrow_client.liveness import process_alive
 from escrow_client.protocol import SessionInfo
 
+from .fdstore import FdStore, session_name
 from .ring import Ring, RingBudget
 from .session import Session
+from .statefile import Record, StateFile
 
 Key = tuple[str, str]
 Terminal = tuple[int, int]  # platform.terminal_identity: (devpts instance, pts number)
@@ -28,13 +30,19 @@ class RegistryError(Exception):
 
 
 class Registry:
+    """Resource handling: the live sessions' fds are the registry's (through each Session);
+    `bury` closes them and takes them out of the fd store (`store`) too."""
+
     def __init__(
-        self, max_sessions: int, ring_bytes: int, total_ring_bytes: int, max_tombstones: int
+        self, max_sessions: int, ring_bytes: int, total_ring_bytes: int, max_tombstones: int,
+        store: FdStore | None = None, private_dir: str | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self.ring_bytes = ring_bytes
         self.budget = RingBudget(total_ring_bytes)
         self.max_tombstones = max_tombstones
+        self.store = store if store is not None else FdStore(None)
+        self.private_dir = private_dir  # where a state file lives where there is no memfd
         self.live: dict[Key, Session] = {}
         # A tombstone keeps the child's start time too, so `child_alive` stays a fact about
         # now rather than a snapshot from when the session ended.
@@ -59,7 +67,9 @@ class Registry:
             )
 
     def new_ring(self) -> Ring:
-        return Ring(self.ring_bytes, self.budget)
+        """A ring in a new state file of its own."""
+        state = StateFile.create(Record, self.ring_bytes, "session", self.private_dir)
+        return Ring(self.ring_bytes, self.budget, state)
 
     def add(self, session: Session) -> None:
         self.check_room(session.key)
@@ -73,11 +83,20 @@ class Registry:
         entry = self.tombstones.get((owner, sid))
         return None if entry is None else _fresh(entry)
 
+    def discard(self, session: Session) -> None:
+        """Take back a session that was never answered `deposited` (its fds could not be
+        stored): no tombstone, as if it had never come."""
+        assert self.live.get(session.key) is session
+        del self.live[session.key]
+        self.store.remove(session_name(session.token))
+        session.close()
+
     def bury(self, session: Session, state: str, reason: str) -> None:
-        """End a live session: close the holder's copy and keep a tombstone. The drain must
-        have been stopped first."""
+        """End a live session: close the holder's copy (and the store's) and keep a
+        tombstone. The drain must have been stopped first."""
         assert self.live.get(session.key) is session, "bury only the live session itself"
         info = session.info()
+        self.store.remove(session_name(session.token))
         session.close()
         session.set_state(state, reason)
         info.state = state  # type: ignore[assignment]

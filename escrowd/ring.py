@@ -1,16 +1,27 @@
-"""The replay ring: a bounded circular buffer that a PTY master is read into directly.
+"""The replay ring: a bounded circular buffer in a session's state file, that a PTY master is
+read into directly.
 
-Bytes go from the kernel into the ring's own storage with `os.readv` (no intermediate
-`bytes` objects); when the ring is full the oldest bytes are overwritten and counted in
-`dropped`. Storage grows on demand, doubling up to the per-session limit, and every byte of
-it is granted by a holder-wide `RingBudget`, so total replay memory is bounded however many
-sessions there are. A ring that can get no storage at all still reads: its bytes are
-counted as dropped, because a child must never block on a full terminal.
+Bytes go from the kernel into the shared mapping with `os.readv`; when the ring is full the
+oldest bytes are overwritten. Storage grows on demand, doubling up to the per-session limit,
+and every byte of it is granted by a holder-wide `RingBudget`, so total replay memory is
+bounded however many sessions there are. A ring that can get no storage at all still reads:
+its bytes are counted as dropped, because a child must never block on a full terminal.
+
+Where the bytes are is a function of one hot counter, the state file's `total` (every byte
+ever read), and the layout in its record (`capacity`, `origin`, `total_at_layout`,
+`length_at_layout`): the ring holds the newest `held = min(length, capacity)` bytes, where
+`length = length_at_layout + total - total_at_layout`, ending just before position
+`(origin + length) % capacity`. A read writes its bytes first and moves `total` after, in
+one store; growing copies before it publishes the new layout. So after a SIGKILL at any
+instruction, the file still describes bytes that are really there (see `adopted`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+from .statefile import MAX_READ, Record, StateFile
 
 MIN_CAPACITY = 16 * 1024
 _SCRATCH = bytearray(64 * 1024)  # where bytes go that no ring has room for
@@ -35,47 +46,70 @@ class RingBudget:
         self.used += granted
         return granted
 
+    def take(self, amount: int) -> None:
+        """Storage an adopted ring already has: counted, even past the cap (it was within
+        the cap of the holder that granted it)."""
+        self.used += amount
+
     def give_back(self, amount: int) -> None:
         self.used -= amount
 
 
 class Ring:
-    def __init__(self, limit: int, budget: RingBudget) -> None:
+    """A session's replay, in `state.data`. Resource handling: owns `state` (closed by
+    `release`). `on_layout` is called after the layout changed (the session persists its
+    record then)."""
+
+    def __init__(
+        self, limit: int, budget: RingBudget, state: StateFile[Record] | None = None
+    ) -> None:
         self.limit = limit
         self._budget = budget
         budget.rings += 1
         self._released = False
-        self._buf = bytearray()
-        self._view = memoryview(self._buf)  # kept, so a read slices it without a new view
-        self._start = 0
-        self._size = 0
-        self.dropped = 0
+        self.state = state if state is not None else StateFile.create(Record, limit, "ring")
+        self._data = self.state.data
+        self.capacity = 0
+        self.origin = 0
+        self.total_at_layout = 0
+        self.length_at_layout = 0
+        self._total = self.state.total
+        self._length = 0  # length_at_layout + total - total_at_layout
+        self.on_layout: Callable[[], None] | None = None
+
+    # --- what is held --------------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        """Every byte ever read into this ring (held or dropped)."""
+        return self._total
 
     @property
     def size(self) -> int:
-        return self._size
+        return min(self._length, self.capacity)
 
     @property
-    def capacity(self) -> int:
-        return len(self._buf)
+    def dropped(self) -> int:
+        return self._total - self.size
 
     def contents(self) -> bytes:
         """Every byte held, oldest first."""
-        end = self._start + self._size
-        view = self._view
-        if end <= len(view):
-            return view[self._start : end].tobytes()
-        return b"".join((view[self._start :], view[: end - len(view)]))
+        cap, held = self.capacity, self.size
+        if held == 0:
+            return b""
+        end = (self.origin + self._length) % cap
+        start = (end - held) % cap
+        if start + held <= cap:
+            return self._data[start : start + held].tobytes()
+        return b"".join((self._data[start:cap], self._data[: end]))
 
-    def release(self) -> None:
-        """Give the storage back to the budget; the ring is empty afterwards."""
-        self._budget.give_back(len(self._buf))
-        if not self._released:
-            self._released = True
-            self._budget.rings -= 1
-        self._buf = bytearray()
-        self._view = memoryview(self._buf)
-        self._start = self._size = 0
+    def layout(self) -> dict[str, int]:
+        """The fields of a state record that say where the bytes are."""
+        return {"capacity": self.capacity, "origin": self.origin,
+                "total_at_layout": self.total_at_layout,
+                "length_at_layout": self.length_at_layout}
+
+    # --- reading in ------------------------------------------------------------------------
 
     def read_from(self, fd: int, at_most: int, overwrite: bool) -> int:
         """One `readv` of up to `at_most` bytes from `fd` into the ring.
@@ -85,53 +119,106 @@ class Ring:
         reading when there is none. Returns what `readv` returned; 0 from a read means end of
         file. OSError from the read (EAGAIN, EIO) propagates with nothing changed.
         """
+        if at_most > MAX_READ:
+            at_most = MAX_READ
         # Grow first: bytes are dropped only by a ring at its limit (or out of budget).
         # (This runs once per read of a fast child: the common path is kept short.)
-        size = self._size
-        cap = len(self._buf)
-        if size + at_most > cap and cap < self.limit:
-            while len(self._buf) < size + at_most and self._grow():
+        length = self._length
+        cap = self.capacity
+        held = length if length < cap else cap
+        if held + at_most > cap and cap < self.limit:
+            while self.capacity < held + at_most and self._grow():
                 pass
-            cap = len(self._buf)
+            cap, length = self.capacity, self._length
         if cap == 0:
             if not overwrite:
                 return 0
             n = os.readv(fd, [memoryview(_SCRATCH)[: min(at_most, len(_SCRATCH))]])
-            self.dropped += n
+            self._advance(n)
             return n
         if overwrite:
             room = cap
         else:
-            room = cap - size
+            room = cap - held
             if room == 0:
                 return 0
-        length = at_most if at_most < room else room
-        write_at = self._start + size
-        if write_at >= cap:
-            write_at -= cap
-        end = write_at + length
-        view = self._view
+        count = at_most if at_most < room else room
+        write_at = (self.origin + length) % cap
+        end = write_at + count
+        data = self._data
         if end <= cap:
-            n = os.readv(fd, [view[write_at:end]])
+            n = os.readv(fd, [data[write_at:end]])
         else:
-            n = os.readv(fd, [view[write_at:], view[: end - cap]])
-        size += n
-        if size > cap:  # overwrote the oldest bytes
-            overflow = size - cap
-            self.dropped += overflow
-            self._start = (self._start + overflow) % cap
-            size = cap
-        self._size = size
+            n = os.readv(fd, [data[write_at:cap], data[: end - cap]])
+        self._advance(n)
         return n
 
+    def _advance(self, n: int) -> None:
+        # The bytes are in place: now, and only now, the counter moves (one 8-byte store).
+        self._length += n
+        self._total += n
+        self.state.set_total(self._total)
+
     def _grow(self) -> bool:
-        cap = len(self._buf)
+        """Take more storage from the budget and re-lay the ring out in it. Bytes are
+        copied only into space the old layout does not use, and the new layout is
+        published after: a kill in between leaves the old layout, whole."""
+        cap = self.capacity
         if cap >= self.limit:
             return False
-        extra = self._budget.grant(min(self.limit, max(MIN_CAPACITY, cap * 2)) - cap, cap)
+        wanted = min(self.limit, max(MIN_CAPACITY, cap * 2))
+        extra = self._budget.grant(wanted - cap, cap)
         if extra == 0:
             return False
-        grown = bytearray(cap + extra)
-        grown[: self._size] = self.contents()
-        self._buf, self._view, self._start = grown, memoryview(grown), 0
+        new_cap = cap + extra
+        held = self.size
+        end = (self.origin + self._length) % cap if cap else 0
+        start = (end - held) % cap if cap else 0
+        if held and start + held > cap:
+            # Wrapped: its newest part, at [0, end), moves up behind the oldest part.
+            if cap + end > new_cap:
+                self._budget.give_back(extra)  # not enough room to unwrap: stay as we are
+                return False
+            self._data[cap : cap + end] = self._data[:end]
+        self.capacity, self.origin = new_cap, start
+        self.total_at_layout, self.length_at_layout = self._total, held
+        self._length = held
+        if self.on_layout is not None:
+            self.on_layout()
         return True
+
+    # --- adoption --------------------------------------------------------------------------
+
+    def adopt(self, capacity: int, origin: int, total_at_layout: int, length_at_layout: int,
+              unclean: bool) -> int:
+        """Take over the layout a state file recorded (a holder starting with stored
+        state). After an unclean stop a read may have been in flight: its bytes may have
+        overwritten the oldest ones of a full ring before the counter moved, so those are
+        dropped. Returns how many bytes that dropped."""
+        self._budget.take(capacity)
+        self.capacity, self.origin = capacity, origin
+        self.total_at_layout, self.length_at_layout = total_at_layout, length_at_layout
+        self._total = self.state.total
+        self._length = length_at_layout + self._total - total_at_layout
+        if not unclean or capacity == 0:
+            return 0
+        suspect = max(0, min(self._length, capacity) + MAX_READ - capacity)
+        if suspect == 0:
+            return 0
+        held = self.size
+        end = (origin + self._length) % capacity
+        self.origin = (end - (held - suspect)) % capacity
+        self.total_at_layout, self.length_at_layout = self._total, held - suspect
+        self._length = held - suspect
+        return suspect
+
+    def release(self) -> None:
+        """Give the storage back to the budget and close the state file (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        self._budget.give_back(self.capacity)
+        self._budget.rings -= 1
+        self.capacity = self._length = 0
+        self._data = memoryview(b"")
+        self.state.close()

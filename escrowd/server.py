@@ -13,7 +13,9 @@ import os
 import resource
 import time
 import traceback
+import uuid
 
+import msgspec
 import psutil
 import trio
 
@@ -23,8 +25,10 @@ from escrow_client.liveness import process_start_time
 from escrow_client.platform import is_pty_master, open_fd_count, terminal_identity
 
 from . import __version__, handoff
+from .adoption import Adoption, adopt
 from .config import Config
 from .connection import Connection, SendTimeout
+from .fdstore import HOLDER_NAME, FdStore, StoreError, session_name
 from .log import log
 from .registry import Registry, RegistryError
 from .session import Session
@@ -41,11 +45,20 @@ _PEER_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNABORTED}
 
 
 class Holder:
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self, config: Config, store: FdStore | None = None, keeper_pid: int | None = None
+    ) -> None:
         self.config = config
+        self.store = store if store is not None else FdStore(None)
         self.registry = Registry(
-            config.max_sessions, config.ring_bytes, config.total_ring_bytes, config.max_tombstones
+            config.max_sessions, config.ring_bytes, config.total_ring_bytes,
+            config.max_tombstones, self.store, os.path.dirname(config.socket_path),
         )
+        self.instance = uuid.uuid4().hex  # this holder process, as `status` names it
+        # Who keeps the fds while no holder runs: "systemd", "keeper" or "none".
+        self.keeper_pid = keeper_pid
+        self.store_kind = ("none" if not self.store.enabled
+                           else "keeper" if keeper_pid else "systemd")
         self.started_at = time.time()
         self.connections: set[Connection] = set()
         self.counters: dict[str, int] = {
@@ -57,6 +70,10 @@ class Holder:
         }
         self._next_conn = 0
         self._nursery: trio.Nursery | None = None
+        self._stop_requested = trio.Event()
+        self.stopping = False  # stopping in order: requests are refused, custody kept
+        self.idle_exited = False
+        self.adoption: Adoption | None = None
         # One fd kept in reserve, so that a holder out of fds can still accept a waiting
         # connection long enough to tell it `limit` (instead of leaving it in the listen
         # backlog, where its client times out and takes the holder for wedged).
@@ -70,16 +87,54 @@ class Holder:
     async def serve(
         self,
         listener: trio.socket.SocketType,
+        stored: dict[str, list[int]] | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until cancelled, or until --idle-exit finds nothing held for that long."""
+        """Adopt what the fd store passed (`stored`), then serve until `request_stop()`, or
+        until --idle-exit finds nothing held for that long; then stop in order (see
+        `_stop_in_order`) and return. Cancelled instead, it stops at once."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.adoption = await adopt(self, stored or {})
             nursery.start_soon(self._accept_loop, listener)
             nursery.start_soon(self._expire_unclaimed)
+            nursery.start_soon(self._idle_exit)
             task_status.started()
-            await self._wait_idle_exit()
+            await self._stop_requested.wait()
+            await self._stop_in_order()
             nursery.cancel_scope.cancel()
+        self._flush()
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def _stop_in_order(self) -> None:
+        """Stop taking requests; let handoffs under way finish (they get their ack
+        deadline); then the serving tasks may be cancelled. Custody does not end with the
+        connections: the apps are alive, and a holder adopting these sessions keeps them
+        held."""
+        self.stopping = True
+        limit = self.config.send_deadline + max(self.config.ack_deadline, 0.0) + 1.0
+        with trio.move_on_after(limit):
+            while any(s.state == "handing_off" and not s.adopted_handoff
+                      for s in self.registry.live.values()):
+                await trio.sleep(0.01)
+
+    def _flush(self) -> None:
+        """Every session's record, marked clean, for the next holder (the drains are over:
+        the nursery they ran in has exited)."""
+        for session in self.registry.live.values():
+            session.forget_drain()
+            session.persist(clean=True)
+        state = self.adoption.holder_state if self.adoption else None
+        if self.idle_exited and not self.registry.live:
+            # Nothing is kept: a keeper with an empty store stops too.
+            self.store.remove(HOLDER_NAME)
+        elif state is not None:
+            record = state.record()
+            if record is not None:
+                state.write(msgspec.structs.replace(record, clean=True))
+        log("flushed", sessions=len(self.registry.live))
 
     async def _expire_unclaimed(self) -> None:
         """Release sessions nobody reclaimed within --unclaimed-ttl (a coarse check: it
@@ -104,8 +159,8 @@ class Holder:
             delay = min(due, default=now + min(ttl, 60.0)) - time.time()
             await trio.sleep(max(delay, 0.01))
 
-    async def _wait_idle_exit(self) -> None:
-        """Return once the holder has held no session and had no connection for
+    async def _idle_exit(self) -> None:
+        """Stop the holder once it has held no session and had no connection for
         --idle-exit seconds; never if it is 0."""
         limit = self.config.idle_exit
         if limit <= 0:
@@ -119,6 +174,8 @@ class Holder:
                 idle_since = now
             elif now - idle_since >= limit:
                 log("idle_exit", reason=f"nothing held and no connection for {limit:g}s")
+                self.idle_exited = True
+                self.request_stop()
                 return
             await trio.sleep(max(0.05, min(limit / 4, 30.0)))
 
@@ -308,6 +365,11 @@ class Holder:
         while (got := await self._receive(conn)) is not None:
             request, fd = got
             match request:
+                case protocol.Deposit() | protocol.Retrieve() if self.stopping:
+                    if fd is not None:
+                        os.close(fd)
+                    await conn.send_error("busy", "the holder is restarting; ask again",
+                                          request.id)
                 case protocol.Deposit():
                     assert fd is not None
                     await self._deposit(conn, request, fd)
@@ -346,9 +408,13 @@ class Holder:
             terminal = terminal_identity(fd)
             self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
-            session = Session(conn.owner, request, fd, self.registry.new_ring(), conn,
-                              conn.peer_pid, start_time, terminal, conn.client)
-            self.registry.add(session)
+            custodian_start = _start_time(conn.peer_pid)
+            try:
+                ring = self.registry.new_ring()
+            except OSError as exc:
+                if exc.errno not in _FD_EXHAUSTION:
+                    raise
+                raise RegistryError("limit", _OUT_OF_FDS) from None
         except RegistryError as exc:
             os.close(fd)
             log("deposit_refused", session=f"{conn.owner}/{request.id}", code=exc.code,
@@ -358,12 +424,27 @@ class Holder:
         except BaseException:
             os.close(fd)
             raise
+        session = Session(conn.owner, request, fd, ring, conn, conn.peer_pid, start_time,
+                          terminal, conn.client, self.instance, custodian_start)
+        self.registry.add(session)
+        # Answered only once both fds are safe outside this process (DESIGN §11).
+        try:
+            await self.store.store(session_name(session.token), [fd, ring.state.fd])
+        except StoreError as exc:
+            log("deposit_refused", session=session.name, code="limit", reason=str(exc))
+            self.registry.discard(session)
+            await conn.send_error("limit", str(exc), request.id)
+            return
         conn.custodian = True
         self.counters["deposits"] += 1
         await conn.send(protocol.Deposited(id=request.id))
 
     def _end_custody(self, conn: Connection) -> None:
-        """The custodian is gone: everything it still held starts draining."""
+        """The custodian is gone: everything it still held starts draining (unless the
+        holder is stopping: then the app is not gone, and its sessions stay held for the
+        holder that adopts them)."""
+        if self.stopping and self.store.enabled:
+            return
         for session in list(self.registry.live.values()):
             if session.custodian is conn and session.state == "held":
                 session.custodian = None
@@ -390,6 +471,16 @@ class Holder:
         await conn.send(protocol.Released(id=sid))
 
     async def _late_ack(self, conn: Connection, ack: protocol.Ack) -> None:
+        session = self.registry.get(conn.owner, ack.id)
+        if (session is not None and session.adopted_handoff
+                and session.handoff_id == ack.handoff_id):
+            # A handoff a stopped holder began, acked on a new connection: it completes.
+            session.adopted_handoff = False
+            self.registry.bury(session, "handed_off", f"acked handoff_id={ack.handoff_id} "
+                               "begun by the holder before")
+            self.registry.handoffs += 1
+            await conn.send(protocol.Done(id=ack.id))
+            return
         tomb = self.registry.tombstone(conn.owner, ack.id)
         if tomb is not None and tomb.state == "handed_off" and tomb.handoff_id == ack.handoff_id:
             await conn.send(protocol.Done(id=ack.id))
@@ -419,6 +510,12 @@ class Holder:
             limits=self.config.limits(),
             open_fds=open_fd_count(),
             rss_bytes=rss,
+            instance=self.instance,
+            fd_store=self.store_kind,
+            keeper_pid=self.keeper_pid,
+            adopted=self.adoption.adopted if self.adoption else 0,
+            restarts=self.adoption.restarts if self.adoption else 0,
+            unclean_restarts=self.adoption.unclean_restarts if self.adoption else 0,
         )
 
 

@@ -7,13 +7,17 @@ Everything here is a no-op outside systemd: with no `NOTIFY_SOCKET` nothing is s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import trio
+
+from .fdstore import is_store_name
 
 SD_LISTEN_FDS_START = 3
 
@@ -91,35 +95,61 @@ class ActivationError(ValueError):
     """The service manager passed something the holder cannot serve on."""
 
 
-def activated_listener(expected_path: str | None = None) -> socket.socket | None:
-    """The listening socket systemd passed (LISTEN_FDS/LISTEN_PID), or None.
+@dataclass
+class Passed:
+    """What the service manager (systemd, or the keeper) passed at start: the listening
+    socket, if any, and the fd store's fds by name (see escrowd.fdstore), in the order
+    passed. The holder owns them all (close-on-exec)."""
 
-    Call it first thing, before anything (trio's event loop, say) opens an fd: only then is
-    fd 3 known to be the passed socket rather than a number that was free and got reused.
-    The variables are removed so that children never mistake them for their own. Exactly one
-    fd must be passed, and it must be a listening Unix stream socket (bound to
-    `expected_path`, when given); anything else is refused with ActivationError.
+    listener: socket.socket | None = None
+    stored: dict[str, list[int]] = field(default_factory=dict)
+
+
+def passed_fds(expected_path: str | None = None) -> Passed:
+    """The fds systemd (or the keeper) passed: LISTEN_FDS/LISTEN_PID/LISTEN_FDNAMES.
+
+    Call it first thing, before anything (trio's event loop, say) opens an fd: only then
+    are fds 3 and up known to be the passed ones rather than numbers that were free and got
+    reused. The variables are removed so that children never mistake them for their own.
+    Fds named as the fd store names them go to `stored`; of the others there must be at
+    most one, a listening Unix stream socket (bound to `expected_path`, when given), or
+    ActivationError says why not.
     """
     pid, count = os.environ.get("LISTEN_PID"), os.environ.get("LISTEN_FDS")
     names = os.environ.get("LISTEN_FDNAMES")
     for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(name, None)
     if pid is None or count is None or pid != str(os.getpid()):
-        return None  # not for us: an fd 3 we may have is someone else's business
+        return Passed()  # not for us: an fd 3 we may have is someone else's business
     try:
         n = int(count)
     except ValueError:
         raise ActivationError(f"LISTEN_FDS={count!r} is not a number of fds") from None
-    if n == 0:
-        return None
-    fd = SD_LISTEN_FDS_START
-    if n != 1:
+    labels = names.split(":") if names else []
+    labels += ["unknown"] * (n - len(labels))
+    passed = Passed()
+    listeners: list[int] = []
+    for i in range(n):
+        fd = SD_LISTEN_FDS_START + i
+        if is_store_name(labels[i]):
+            passed.stored.setdefault(labels[i], []).append(fd)
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
+        else:
+            listeners.append(fd)
+    if len(listeners) > 1:
         raise ActivationError(
             f"the service manager passed {count} fds (LISTEN_FDS={count}"
             f"{f', LISTEN_FDNAMES={names}' if names else ''}); escrowd serves on exactly one "
             "listening socket: give its .socket unit a single ListenStream="
         )
-    what = f"fd {fd} passed by the service manager (LISTEN_FDS=1)"
+    if listeners:
+        passed.listener = _checked_listener(listeners[0], count, expected_path)
+    return passed
+
+
+def _checked_listener(fd: int, count: str, expected_path: str | None) -> socket.socket:
+    what = f"fd {fd} passed by the service manager (LISTEN_FDS={count})"
     try:
         mode = os.fstat(fd).st_mode
     except OSError as exc:

@@ -19,15 +19,18 @@ import fcntl
 import os
 import select
 import time
+import uuid
 from termios import FIONREAD
 
 import trio
 
 from escrow_client.liveness import process_alive
+from escrow_client.platform import terminal_identity
 from escrow_client.protocol import Deposit, SessionInfo
 
 from .log import log
 from .ring import Ring
+from .statefile import Record
 
 # A read of fewer bytes counts as this many against a slice, so a slice is also bounded in
 # reads (64 of them), not only in bytes.
@@ -54,7 +57,11 @@ class Session:
         child_start_time: float | None,
         terminal: tuple[int, int] | None = None,
         client: str = "",
+        instance: str = "",
+        custodian_start_time: float | None = None,
     ) -> None:
+        self.token = uuid.uuid4().hex  # names the pair in the fd store: m-<token>, s-<token>
+        self.instance = instance
         self.owner = owner
         self.id = deposit.id
         self.label = deposit.label
@@ -66,17 +73,74 @@ class Session:
         self.ring = ring
         self.custodian: object | None = custodian
         self.custodian_pid = custodian_pid
+        self.custodian_start_time = custodian_start_time
         self.deposited_at = self.state_since = time.time()
         self.state = "held"
         self.handoff_id: str | None = None
+        self.gap_total: int | None = None  # see replay_gap_at
         self.hung_up = False  # a read failed: the last slave fd is closed
         self._saved_flags: int | None = None
+        self._init_runtime()
+        ring.on_layout = self.persist
+        self.persist()
+        self.log("state", state="held", reason="deposited", child_pid=self.child_pid,
+                 label=self.label or None, client=client or None)
+
+    def _init_runtime(self) -> None:
+        """What lives only in this process: the drain task, its poller, a custody watch."""
         self._drain_scope: trio.CancelScope | None = None
         self._drain_done: trio.Event | None = None
         self._poller: select.poll | None = None  # POLLIN on fd, made once per fd
         self._slice_used_up = False  # the last pull() stopped at `at_most`, not at empty
-        self.log("state", state="held", reason="deposited", child_pid=self.child_pid,
-                 label=self.label or None, client=client or None)
+        self.watch_scope: trio.CancelScope | None = None  # an adopted custodian's watch
+        self.adopted_handoff = False  # handing_off, begun by a holder that has stopped
+
+    @classmethod
+    def adopted(cls, fd: int, ring: Ring, record: Record, instance: str) -> Session:
+        """A session as a state file recorded it (a holder starting with stored state).
+        Its ring must already be adopted; the caller resumes it by its state."""
+        self = cls.__new__(cls)
+        self.token, self.instance = record.token, instance
+        self.owner, self.id, self.label = record.owner, record.id, record.label
+        self.child_pid, self.child_start_time = record.child_pid, record.child_start_time
+        self.cols, self.rows, self.meta = record.cols, record.rows, record.meta
+        self.fd, self.terminal, self.ring = fd, terminal_identity(fd), ring
+        self.custodian = None
+        self.custodian_pid = record.custodian_pid
+        self.custodian_start_time = record.custodian_start_time
+        self.deposited_at, self.state_since = record.deposited_at, record.state_since
+        self.state, self.handoff_id = record.state, record.handoff_id
+        self.gap_total = record.gap_total
+        self.hung_up = False
+        self._saved_flags = record.saved_flags
+        self._init_runtime()
+        ring.on_layout = self.persist
+        return self
+
+    def persist(self, clean: bool = False) -> None:
+        """Write this session's record into its state file (DESIGN §11): what a holder
+        that adopts it needs. `clean` only when this holder stops cleanly."""
+        if self.fd < 0:
+            return  # closed: its state file is gone with it
+        self.ring.state.write(Record(
+            token=self.token, owner=self.owner, id=self.id, label=self.label,
+            child_pid=self.child_pid, child_start_time=self.child_start_time,
+            cols=self.cols, rows=self.rows, meta=self.meta, state=self.state,
+            deposited_at=self.deposited_at, state_since=self.state_since,
+            custodian_pid=self.custodian_pid, custodian_start_time=self.custodian_start_time,
+            handoff_id=self.handoff_id, saved_flags=self._saved_flags,
+            gap_total=self.gap_total, instance=self.instance, clean=clean,
+            **self.ring.layout(),
+        ))
+
+    @property
+    def replay_gap_at(self) -> int | None:
+        """Where in the replay at most one read may be missing (after an unclean stop of
+        a holder), or None: an offset into `ring.contents()`."""
+        if self.gap_total is None:
+            return None
+        at = self.gap_total - (self.ring.total - self.ring.size)
+        return at if at >= 0 else None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -92,6 +156,7 @@ class Session:
     def set_state(self, state: str, reason: str) -> None:
         if state != self.state:
             self.state, self.state_since = state, time.time()
+            self.persist()
             self.log("state", state=state, reason=reason)
 
     def info(self) -> SessionInfo:
@@ -106,11 +171,12 @@ class Session:
             state_since=self.state_since,
             buffered_bytes=self.ring.size,
             dropped_bytes=self.ring.dropped,
-            custodian_pid=self.custodian_pid if self.custodian is not None else None,
+            custodian_pid=self.custodian_pid if self.state == "held" else None,
             handoff_id=self.handoff_id,
             cols=self.cols,
             rows=self.rows,
             meta=self.meta,
+            replay_gap_at=self.replay_gap_at,
         )
 
     # --- draining ---------------------------------------------------------------------
@@ -166,6 +232,12 @@ class Session:
             self._drain_scope.cancel()
         if self._drain_done is not None:
             await self._drain_done.wait()
+        self._drain_scope = self._drain_done = None
+
+    def forget_drain(self) -> None:
+        """The nursery the drain ran in has exited (the holder is stopping): the task is
+        over whatever it was doing."""
+        assert self._drain_done is None or self._drain_done.is_set()
         self._drain_scope = self._drain_done = None
 
     def has_drain(self) -> bool:
@@ -251,6 +323,8 @@ class Session:
         """Close the holder's copy of the master. The drain must be stopped first."""
         assert self._drain_done is None, "stop the drain before closing"
         self._poller = None
+        if self.watch_scope is not None:
+            self.watch_scope.cancel()
         if self.fd >= 0:
             trio.lowlevel.notify_closing(self.fd)
             fd, self.fd = self.fd, -1

@@ -74,10 +74,15 @@ class HolderProcess:
     log_path: Path
     baseline_fds: int = 0
     extra_args: list[str] = field(default_factory=list)
+    keeper: bool = False  # proc is the keeper; the holder serving is its child
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def serving_pid(self) -> int:
+        """The process that answers: the holder (under a keeper, the keeper's child)."""
+        return self.client("escrowctl").status().pid if self.keeper else self.proc.pid
 
     def logs(self) -> str:
         return self.log_path.read_text()
@@ -86,7 +91,7 @@ class HolderProcess:
         return [line for line in self.logs().splitlines() if f" event={event} " in line + " "]
 
     def fd_count(self) -> int:
-        return fd_count(self.pid)
+        return fd_count(self.serving_pid())
 
     def client(self, owner: str = OWNER, **kwargs: Any) -> EscrowClient:
         return EscrowClient(owner, socket_path=self.socket, **kwargs)
@@ -117,17 +122,21 @@ class HolderProcess:
                 self.proc.wait()
 
 
-def start_holder(directory: Path, *args: str, env: dict[str, str] | None = None) -> HolderProcess:
-    """Start `python -m escrowd` on a socket in `directory` and wait until it is ready."""
+def start_holder(directory: Path, *args: str, env: dict[str, str] | None = None,
+                 keeper: bool = False) -> HolderProcess:
+    """Start `python -m escrowd` on a socket in `directory` and wait until it is ready: the
+    bare holder (one process, whose fds the tests count), or with `keeper` the pair as users
+    run it (then `pid` is the keeper's)."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     sock = str(directory / "escrowd.sock")
     log_path = directory / "escrowd.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "escrowd", "--socket", sock, *args],
+            [sys.executable, "-m", "escrowd", *([] if keeper else ["--bare"]), "--socket",
+             sock, *args],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
         )
-    holder = HolderProcess(sock, proc, log_path, extra_args=list(args))
+    holder = HolderProcess(sock, proc, log_path, extra_args=list(args), keeper=keeper)
 
     def ready() -> bool:
         if proc.poll() is not None:
@@ -153,8 +162,9 @@ def make_holder(socket_dir: Path) -> Iterator[Callable[..., HolderProcess]]:
     """Start holders with extra arguments; each is checked for fd hygiene and stopped."""
     holders: list[HolderProcess] = []
 
-    def make(*args: str, name: str = "h", env: dict[str, str] | None = None) -> HolderProcess:
-        h = start_holder(socket_dir / f"{name}{len(holders)}", *args, env=env)
+    def make(*args: str, name: str = "h", env: dict[str, str] | None = None,
+             keeper: bool = False) -> HolderProcess:
+        h = start_holder(socket_dir / f"{name}{len(holders)}", *args, env=env, keeper=keeper)
         holders.append(h)
         return h
 

@@ -26,6 +26,8 @@ from rawclient import RawClient
 from conftest import OWNER, HolderProcess, PtyChild, spawn_in_pty, wait_for
 from escrow_client import EscrowClient, fdpass, protocol
 
+SESSION_FDS = 3  # one session costs the holder: its PTY master, its state file, and the
+# duplicate that Python's mmap keeps of the state file (3.11 has no trackfd=False)
 COUNTER = "i=0; while [ $i -lt 1000000 ]; do i=$((i+1)); echo L$i; sleep 0.01; done"
 BYSTANDER = "bystander"
 
@@ -104,12 +106,13 @@ def holder_status(holder: HolderProcess) -> protocol.HolderStatus:
     return reply
 
 
-def wait_fds(holder: HolderProcess, extra: int, timeout: float = 5.0) -> None:
-    """The holder's open fds come back to its baseline plus `extra` (the sessions it holds)."""
-    want = holder.baseline_fds + extra
+def wait_fds(holder: HolderProcess, sessions: int, timeout: float = 5.0) -> None:
+    """The holder's open fds come back to its baseline plus those of the `sessions` it
+    holds (each: its PTY master and its state file)."""
+    want = holder.baseline_fds + SESSION_FDS * sessions
     wait_for(lambda: holder.fd_count() == want, timeout,
-             f"holder fds back to {want} (baseline {holder.baseline_fds} + {extra}); "
-             f"now {holder.fd_count()}")
+             f"holder fds back to {want} (baseline {holder.baseline_fds} + {sessions} "
+             f"session(s)); now {holder.fd_count()}")
 
 
 # --- numbered output --------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_autostart_spawns_a_detached_holder(
     stdin/stdout/stderr, holds no fd the app left inheritable (and no more fds than a
     holder started normally), runs with --idle-exit, and did not inherit the app's service
     manager variables (it would otherwise tell the app's systemd unit it is its main pid)."""
-    normal = make_holder()
+    normal = make_holder(keeper=True)
     leak_r, leak_w = os.pipe()
     os.set_inheritable(leak_r, True)
     os.set_inheritable(leak_w, True)
@@ -125,31 +125,35 @@ def test_autostart_spawns_a_detached_holder(
         spawned_before = autostart.spawned
         client = EscrowClient(OWNER, socket_path=auto_socket, autostart=True)
         status = client.status()
-        pid = status.pid
-        assert status.socket == auto_socket
-        assert pid != os.getpid() and pid != normal.pid
+        pid, keeper = status.pid, status.keeper_pid
+        assert status.socket == auto_socket and status.fd_store == "keeper"
+        assert keeper is not None and psutil.Process(pid).ppid() == keeper
+        assert pid != os.getpid() and pid != normal.serving_pid()
 
-        assert os.getsid(pid) == pid, "the holder leads its own session"
-        assert os.getsid(pid) != os.getsid(0)
-        assert psutil.Process(pid).ppid() != os.getpid(), "the holder is the app's child"
+        assert os.getsid(keeper) == keeper, "the keeper leads its own session"
+        assert os.getsid(pid) == keeper and os.getsid(pid) != os.getsid(0)
+        assert psutil.Process(keeper).ppid() != os.getpid(), "the keeper is the app's child"
         assert autostart.spawned == spawned_before + 1
-        for n in (0, 1, 2):
-            assert os.readlink(f"/proc/{pid}/fd/{n}") == "/dev/null", f"fd {n}"
-        leaked = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (leak_r, leak_w)}
-        assert not leaked & _fd_identities(pid), "the holder inherited the app's pipe"
+        for process in (keeper, pid):
+            for n in (0, 1, 2):
+                assert os.readlink(f"/proc/{process}/fd/{n}") == "/dev/null", f"fd {n}"
+            leaked = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (leak_r, leak_w)}
+            assert not leaked & _fd_identities(process), "the app's pipe was inherited"
         wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) == normal.baseline_fds,
                  what=f"autostarted holder's fds ({len(os.listdir(f'/proc/{pid}/fd'))}) "
                  f"equal to a normally started holder's ({normal.baseline_fds})")
 
-        argv = _cmdline(pid)
+        argv = _cmdline(keeper)
         assert argv[1:5] == ["-m", "escrowd", "--socket", auto_socket], argv
         assert "--idle-exit" in argv
         assert float(argv[argv.index("--idle-exit") + 1]) > 0, argv
+        assert _cmdline(pid)[1:4] == ["-m", "escrowd", "--bare"]
 
-        env = _environ(pid)
-        for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-            assert name not in env, f"the holder inherited {name}"
-        assert _holders_on(auto_socket) == [pid]
+        for process in (keeper, pid):
+            env = _environ(process)
+            assert env.get("NOTIFY_SOCKET") != "/nonexistent/escrow-test-notify"
+            assert env.get("WATCHDOG_PID") != str(os.getpid())
+        assert sorted(_holders_on(auto_socket)) == sorted([keeper, pid])
     finally:
         os.close(leak_r)
         os.close(leak_w)
@@ -216,10 +220,12 @@ def test_four_apps_autostarting_at_once_share_one_holder(
     spawns = sum(spawned for _, spawned in results)
     print(f"autostart race: {spawns} holders spawned, one ({winner}) serves")
     assert spawns >= 2, "the apps did not race (only one spawned a holder)"
-    # The losers exit on the lock ("another escrowd ... already serves"): one is left.
-    wait_for(lambda: _holders_on(auto_socket) == [winner], 10.0,
-             f"only the winner left serving (now {_holders_on(auto_socket)})")
+    # The losers exit on the lock ("another escrowd ... already serves"): one pair is left,
+    # the winning holder and its keeper.
     client = EscrowClient(OWNER, socket_path=auto_socket)
+    pair = sorted([winner, client.status().keeper_pid or 0])
+    wait_for(lambda: sorted(_holders_on(auto_socket)) == pair, 10.0,
+             f"only the winner left serving (now {_holders_on(auto_socket)})")
     sessions = {s.id: s.state for s in client.list()}
     assert sorted(sessions) == [f"app-{n}" for n in range(4)], sessions
     assert set(sessions.values()) <= {"draining", "exited"}, sessions

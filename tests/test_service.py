@@ -279,7 +279,7 @@ else:
     os.set_inheritable(3, True)
 env = dict(os.environ, LISTEN_FDS=listen_fds,
            LISTEN_PID=str(os.getpid()) if listen_pid == "self" else listen_pid)
-os.execve(sys.executable, [sys.executable, "-m", "escrowd", *sys.argv[4:]], env)
+os.execve(sys.executable, [sys.executable, "-m", "escrowd", "--bare", *sys.argv[4:]], env)
 """
 
 

@@ -352,7 +352,7 @@ def test_two_holders_started_at_once_end_with_one(socket_dir: Path, round_: int)
         for log in logs:  # both started before either is waited for
             with open(log, "wb") as f:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "escrowd", "--socket", sock],
+                    [sys.executable, "-m", "escrowd", "--bare", "--socket", sock],
                     stdin=subprocess.DEVNULL, stdout=f, stderr=f))
 
         def settled() -> bool:

@@ -1,0 +1,122 @@
+"""The fd store: where a session's two fds (its PTY master and its state file) wait while
+no holder runs (DESIGN §11).
+
+Under systemd it is the service manager's own (`FDSTORE=1` on $NOTIFY_SOCKET); everywhere
+else it is the keeper's, which speaks the same protocol. Either way a restarted holder gets
+the fds back through `LISTEN_FDS`/`LISTEN_FDNAMES`, named as they were stored:
+
+    session-<token>   a session's two fds, stored together: its PTY master (a character
+                      device) and its state file (a regular file, escrowd.statefile),
+                      whose record carries the same token
+    holder            the holder's own state file (its restart counters)
+
+Every master is stored with `FDPOLL=0`: systemd would otherwise drop a master that hangs
+up, and with it the exit tail still readable from it.
+
+Without $NOTIFY_SOCKET there is no store: the holder works as before, and its sessions do
+not survive its own death (`enabled` is False, and `status` says so).
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import socket
+
+import trio
+
+from escrow_client.platform import SEND_FLAGS
+
+from .log import log
+
+# How long a store message may wait for room in the manager's queue before the deposit is
+# refused: the deposit must not be answered before its fds are safe.
+STORE_DEADLINE = 2.0
+HOLDER_NAME = "holder"
+
+
+class StoreError(Exception):
+    """The fds could not be handed to the store."""
+
+
+SESSION_PREFIX = "session-"
+
+
+def session_name(token: str) -> str:
+    return SESSION_PREFIX + token
+
+
+def is_store_name(name: str) -> bool:
+    """A name this holder stores fds under (anything else passed is the listening socket,
+    or not ours)."""
+    return name == HOLDER_NAME or name.startswith(SESSION_PREFIX)
+
+
+class FdStore:
+    """A connected datagram socket to $NOTIFY_SOCKET. Resource handling: owns the socket;
+    `close()` closes it. Never blocks the event loop, never raises SIGPIPE."""
+
+    def __init__(self, address: str | None) -> None:
+        self.sock: socket.socket | None = None
+        if not address or not address.startswith(("/", "@")):
+            return
+        target = "\0" + address[1:] if address.startswith("@") else address
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.connect(target)
+        except OSError as exc:
+            sock.close()
+            log("fd_store", state="unavailable", reason=f"cannot reach {address}: {exc}")
+            return
+        self.sock = sock
+
+    @property
+    def enabled(self) -> bool:
+        return self.sock is not None
+
+    async def store(self, name: str, fds: list[int]) -> None:
+        """Hand copies of `fds` to the store under `name` (they stay ours too). Raises
+        StoreError if the store would not take them within STORE_DEADLINE."""
+        if self.sock is None:
+            return
+        message = f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0".encode()
+        await self._send(message, fds)
+
+    def remove(self, name: str) -> None:
+        """Drop every fd stored under `name` (the session ended). Best effort and
+        immediate: a removal that cannot be sent leaves fds the next holder closes as
+        unpaired."""
+        if self.sock is None:
+            return
+        try:
+            self.sock.sendmsg([f"FDSTOREREMOVE=1\nFDNAME={name}".encode()], [], SEND_FLAGS)
+        except OSError as exc:
+            log("fd_store", action="remove", name=name, error=errno.errorcode.get(
+                exc.errno or 0, str(exc)), reason="could not send FDSTOREREMOVE")
+
+    async def _send(self, message: bytes, fds: list[int]) -> None:
+        assert self.sock is not None
+        with trio.move_on_after(STORE_DEADLINE):
+            while True:
+                try:
+                    self.sock.sendmsg([message], rights_for(fds), SEND_FLAGS)
+                    return
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.sock)
+                except OSError as exc:
+                    raise StoreError(f"the fd store refused: {exc.strerror or exc}") from None
+        raise StoreError("the fd store did not take the fds in time")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+            self.sock = None
+
+
+def rights_for(fds: list[int]) -> list[tuple[int, int, bytes]]:
+    """SCM_RIGHTS for any number of fds (fdpass.rights carries at most one)."""
+    if not fds:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]

@@ -1,0 +1,341 @@
+"""The keeper: what `escrowd` runs by default (scripts/holder, autostart, launchd), so that
+the escrow outlives the holder where systemd does not keep it (DESIGN §11).
+
+The keeper takes the lock, binds the socket, and runs the holder (`escrowd --bare`) as its
+child, speaking to it the subset of systemd's protocol the holder already speaks:
+`LISTEN_FDS`/`LISTEN_FDNAMES` on start (the listening socket first, then every stored fd),
+and on `NOTIFY_SOCKET` the messages READY, STATUS, WATCHDOG, STOPPING, FDSTORE (with
+FDNAME; FDPOLL is moot, the keeper never polls a stored fd) and FDSTOREREMOVE. It restarts a
+holder that dies, with back-off, and closes a stored fd only on FDSTOREREMOVE or when it
+stops. Connections made while no holder runs wait in the listen backlog.
+
+It has no event loop library and no session logic, so that it is small enough to trust:
+one `poll` over the notify socket and a self-pipe for signals.
+
+Signals: SIGTERM or SIGINT stop the holder, then the keeper, and close every stored fd
+(the terminals no app holds hang up: this is `escrowctl stop`). SIGHUP replaces the holder
+with the installed code (`escrowctl upgrade`): the new code is tried first, the old holder
+stops in order, the new one adopts every session; if the new one fails, the fds stay here
+and it is retried with back-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+from escrow_client import paths
+from escrow_client.fdpass import close_fds
+from escrow_client.platform import PASSCRED, RECV_FLAGS
+
+from .config import Config
+from .fdstore import is_store_name
+from .lifecycle import StartupError, bind_socket, remove_leftover_socket, take_lock
+from .log import log
+
+KEEPER_ENV = "ESCROWD_KEEPER_PID"  # tells the holder who keeps its fds (its parent)
+LISTENER_NAME = "escrowd.socket"  # as systemd names a .socket unit's fd
+WATCHDOG_SECONDS = 30.0  # a holder whose event loop does not ping for this long is killed
+STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
+_BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
+_MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
+
+
+def main(config: Config, argv: list[str]) -> int:
+    """Run the keeper on `config.socket_path` until it is stopped; `argv` (escrowd's own
+    arguments) is passed on to every holder it starts."""
+    socket_path = config.socket_path
+    try:
+        paths.check_socket_path(socket_path)
+        paths.ensure_private_dir(os.path.dirname(socket_path))
+        lock_fd = take_lock(socket_path)
+    except (StartupError, paths.PathError) as exc:
+        print(f"escrowd: {exc}", file=sys.stderr)
+        return 1
+    notify_path = socket_path + ".notify"
+    listener: socket.socket | None = None
+    try:
+        remove_leftover_socket(socket_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(notify_path)
+        listener = bind_socket(socket_path)
+        notify = _notify_socket(notify_path)
+        log("keeper", pid=os.getpid(), socket=socket_path)
+        with notify:
+            return Keeper(listener, notify, notify_path, argv).run()
+    except StartupError as exc:
+        print(f"escrowd: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if listener is not None:
+            listener.close()
+        for leftover in (socket_path, notify_path, paths.pid_path(socket_path)):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+        os.close(lock_fd)
+
+
+def _notify_socket(path: str) -> socket.socket:
+    """Where the holder sends its notifications: a datagram socket in the private socket
+    directory, told the sender's credentials with each datagram where the platform can."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        if PASSCRED is not None:
+            sock.setsockopt(socket.SOL_SOCKET, PASSCRED, 1)
+        # Deposits come in bursts (one store message each): room for many.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot make the notify socket {path}: {exc.strerror}") from None
+    return sock
+
+
+class Keeper:
+    """Resource handling: owns the stored fds (`store`) and closes them all when it stops;
+    the listener, the notify socket and the lock belong to `main`."""
+
+    def __init__(self, listener: socket.socket, notify: socket.socket, notify_path: str,
+                 argv: list[str]) -> None:
+        self.listener, self.notify, self.notify_path = listener, notify, notify_path
+        self.argv = argv
+        self.store: dict[str, list[int]] = {}
+        self.holder: int | None = None
+        self.holder_started = 0.0
+        self.last_ping: float | None = None  # of the running holder, once it is ready
+        self.restart_at = 0.0
+        self.backoff = _BACKOFF_FIRST
+        self.stopping = False
+        self.upgrading = False
+        self.stop_deadline: float | None = None
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+        old = {s: signal.signal(s, lambda *_: None) for s in handled}
+        poller = select.poll()
+        poller.register(self.notify, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
+        try:
+            while True:
+                if self.holder is None:
+                    if self.stopping:
+                        break
+                    if time.monotonic() >= self.restart_at:
+                        self._start_holder()
+                for fd, _ in poller.poll(self._timeout_ms()):
+                    if fd == wake_r:
+                        self._signals(os.read(wake_r, 512))
+                    else:
+                        self._messages()
+                self._reap()
+                self._check_deadlines()
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            signal.set_wakeup_fd(old_wakeup)
+            os.close(wake_r)
+            os.close(wake_w)
+            self._close_store()
+        log("keeper_stopped", pid=os.getpid())
+        return 0
+
+    def _timeout_ms(self) -> int:
+        now = time.monotonic()
+        due = [self.restart_at] if self.holder is None else []
+        if self.last_ping is not None:
+            due.append(self.last_ping + WATCHDOG_SECONDS)
+        if self.stop_deadline is not None:
+            due.append(self.stop_deadline)
+        if not due:
+            return -1
+        return max(0, int((min(due) - now) * 1000) + 1)
+
+    def _signals(self, received: bytes) -> None:
+        for signum in received:
+            if signum in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
+                log("keeper_stopping", reason=signal.Signals(signum).name)
+                self.stopping = True
+                self._stop_holder()
+            elif signum == signal.SIGHUP and not self.stopping:
+                self._upgrade()
+
+    # --- the holder --------------------------------------------------------------------------
+
+    def _start_holder(self) -> None:
+        names = [LISTENER_NAME]
+        fds = [self.listener.fileno()]
+        for name, stored in self.store.items():
+            names += [name] * len(stored)
+            fds += stored
+        argv = [sys.executable, "-m", "escrowd", "--bare", *self.argv]
+        keeper_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: nothing here may return to the keeper's loop
+            try:
+                _exec_holder(argv, fds, names, self.notify_path, keeper_pid)
+            finally:
+                os._exit(127)
+        self.holder, self.holder_started, self.last_ping = pid, time.monotonic(), None
+        log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 1)
+
+    def _stop_holder(self) -> None:
+        if self.holder is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.holder, signal.SIGTERM)
+            self.stop_deadline = time.monotonic() + STOP_GRACE
+
+    def _upgrade(self) -> None:
+        """Try the installed code first: if it cannot even start, keep the holder we have."""
+        check = subprocess.run([sys.executable, "-m", "escrowd", "--version"],
+                               stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                               check=False)
+        if check.returncode != 0:
+            log("upgrade_refused", reason="the installed escrowd does not start: "
+                + check.stderr.decode(errors="replace").strip()[-300:])
+            return
+        log("upgrade", version=check.stdout.decode(errors="replace").strip())
+        if self.holder is None:
+            self.restart_at = 0.0
+            return
+        self.upgrading = True
+        self._stop_holder()
+
+    def _reap(self) -> None:
+        while self.holder is not None:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid != self.holder:
+                continue
+            self._holder_exited(os.waitstatus_to_exitcode(status))
+
+    def _holder_exited(self, code: int) -> None:
+        lived = time.monotonic() - self.holder_started
+        self.holder, self.last_ping, self.stop_deadline = None, None, None
+        log("keeper_holder_exited", code=code, lived=round(lived, 3), stored=len(self.store))
+        if self.stopping:
+            return
+        if self.upgrading:
+            self.upgrading = False
+            self.restart_at, self.backoff = 0.0, _BACKOFF_FIRST
+            return
+        if code == 0 and not self.store:
+            self.stopping = True  # stopped by itself (--idle-exit) with nothing kept
+            return
+        if lived >= _STABLE:
+            self.backoff = _BACKOFF_FIRST
+        self.restart_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        if self.holder is None:
+            return
+        if self.stop_deadline is not None and now >= self.stop_deadline:
+            log("keeper_kill", holder_pid=self.holder, reason="did not stop in time")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.holder, signal.SIGKILL)
+            self.stop_deadline = None
+        elif self.last_ping is not None and now >= self.last_ping + WATCHDOG_SECONDS:
+            log("keeper_kill", holder_pid=self.holder, reason="watchdog: no ping")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.holder, signal.SIGKILL)
+            self.last_ping = None
+
+    # --- the notify protocol -----------------------------------------------------------------
+
+    def _messages(self) -> None:
+        space = socket.CMSG_SPACE(_MAX_FDS_PER_MESSAGE * 4) + socket.CMSG_SPACE(12)
+        while True:
+            try:
+                data, ancdata, flags, _ = self.notify.recvmsg(4096, space, RECV_FLAGS)
+            except BlockingIOError:
+                return
+            fds, sender = _unpack(ancdata)
+            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                close_fds(fds)
+                log("keeper_refused", reason="a truncated notification")
+                continue
+            if sender is not None and sender != self.holder:
+                close_fds(fds)  # only the holder we started may store fds here
+                log("keeper_refused", sender_pid=sender, reason="not from the holder")
+                continue
+            self._handle(_fields(data), fds)
+
+    def _handle(self, fields: dict[str, str], fds: list[int]) -> None:
+        if fields.get("FDSTORE") == "1" and fds:
+            name = fields.get("FDNAME", "stored")
+            if is_store_name(name):
+                self.store.setdefault(name, []).extend(fds)
+                fds = []
+            else:
+                log("keeper_refused", name=name, reason="not a name the holder stores")
+        close_fds(fds)  # fds that came without a valid FDSTORE are not kept
+        if fields.get("FDSTOREREMOVE") == "1":
+            close_fds(self.store.pop(fields.get("FDNAME", ""), []))
+        if fields.get("READY") == "1":
+            log("keeper_holder_ready", holder_pid=self.holder, stored=len(self.store))
+        if fields.get("READY") == "1" or fields.get("WATCHDOG") == "1":
+            self.last_ping = time.monotonic()
+
+    def _close_store(self) -> None:
+        for fds in self.store.values():
+            close_fds(fds)
+        self.store.clear()
+
+
+def _exec_holder(argv: list[str], fds: list[int], names: list[str], notify_path: str,
+                 keeper_pid: int) -> None:
+    """In the forked child: put `fds` at 3, 4, ... as systemd would, and exec the holder."""
+    # Out of the way first (above every target), so that no dup2 overwrites one still needed.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + len(fds)) for fd in fds]
+    for target, fd in enumerate(high, start=3):
+        os.dup2(fd, target)  # inheritable
+    env = dict(os.environ)
+    env.update(LISTEN_FDS=str(len(fds)), LISTEN_PID=str(os.getpid()),
+               LISTEN_FDNAMES=":".join(names), NOTIFY_SOCKET=notify_path,
+               WATCHDOG_USEC=str(int(WATCHDOG_SECONDS * 1e6)), WATCHDOG_PID=str(os.getpid()))
+    env[KEEPER_ENV] = str(keeper_pid)
+    os.execve(argv[0], argv, env)
+
+
+def _unpack(ancdata: list[tuple[int, int, bytes]]) -> tuple[list[int], int | None]:
+    fds: list[int] = []
+    sender: int | None = None
+    for level, kind, data in ancdata:
+        if level != socket.SOL_SOCKET:
+            continue
+        if kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+        elif kind == getattr(socket, "SCM_CREDENTIALS", None) and len(data) >= 12:
+            sender = struct.unpack("3i", data[:12])[0]
+    return fds, sender
+
+
+def _fields(data: bytes) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for line in data.decode("utf-8", "replace").split("\n"):
+        key, sep, value = line.partition("=")
+        if sep:
+            fields[key] = value
+    return fields

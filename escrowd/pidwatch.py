@@ -1,0 +1,53 @@
+"""Wait for a process to exit, without polling: a pidfd on Linux, a kqueue NOTE_EXIT on macOS.
+
+The holder uses it for a `held` session it adopted (DESIGN §11): the app that held custody
+is still running, but its connection went with the old holder. The session stays held while
+that process lives and starts draining the moment there is positive proof that it died.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+
+import trio
+
+from escrow_client.liveness import process_alive
+
+
+async def wait_exit(pid: int, start_time: float | None) -> None:
+    """Return once process `pid` (the one that started at `start_time`, when known) has
+    exited; at once if it already has, or another process has its pid now.
+
+    Cancellation: safe at any point; nothing is left registered or open.
+    """
+    if sys.platform == "linux":
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            # Opened first, checked second: the pid cannot be reused under an open pidfd.
+            if process_alive(pid, start_time) is False:
+                return
+            await trio.lowlevel.wait_readable(pidfd)
+        finally:
+            trio.lowlevel.notify_closing(pidfd)
+            os.close(pidfd)
+        return
+    if sys.platform == "darwin":
+        kqueue = trio.lowlevel.current_kqueue()
+        event = select.kevent(pid, filter=select.KQ_FILTER_PROC,
+                              flags=select.KQ_EV_ADD | select.KQ_EV_ONESHOT,
+                              fflags=select.KQ_NOTE_EXIT)
+        with trio.lowlevel.monitor_kevent(pid, select.KQ_FILTER_PROC) as events:
+            try:
+                kqueue.control([event], 0)
+            except ProcessLookupError:
+                return
+            if process_alive(pid, start_time) is False:
+                return
+            await events.receive()
+        return
+    raise OSError("no way to watch a process exit on this platform")

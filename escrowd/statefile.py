@@ -1,0 +1,253 @@
+"""A session's state outside the holder process (DESIGN §11): one shared-memory file with
+its replay ring and its metadata, which outlives the holder in the service manager's fd
+store (or the keeper's) next to the PTY master.
+
+The file (native byte order and sizes: it never leaves the machine):
+
+    page 0   fixed header (64 bytes): magic, layout version, data offset and size, a
+             checksum of those, and `total`, the one hot counter: every byte ever read
+             into the ring; then record slots 0 and 1 (1,984 bytes each)
+    then     record slots 2 and 3 (BIG_SLOT bytes each), for records too big for page 0
+    then     the ring's bytes (`data`), `size` of them
+
+Nothing here can be torn by a SIGKILL at any instruction:
+- `total` is one aligned 8-byte store, made only after the bytes it counts are in place.
+- A record (metadata and the ring's layout) is written into a slot other than the newest
+  valid one, with a sequence number and a CRC-32 over it; a reader takes the valid slot
+  with the highest sequence number. A record cut short by a kill fails its checksum, and
+  the one before it still stands.
+
+The file is created sparse (sized to the ring's limit, backed only where written), so
+resident memory follows the replay actually held. On Linux it is a sealed memfd (nobody
+can grow or shrink it under a mapping); on macOS an unlinked file in the holder's private
+socket directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import sys
+import tempfile
+import zlib
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+MAGIC = b"ESCROWSF"
+LAYOUT_VERSION = 1
+PAGE = 4096
+_FIXED = struct.Struct("=8sIIQQ")  # magic, version, crc of the rest, data offset, data size
+TOTAL_OFFSET = 32  # the hot counter, 8-byte aligned
+SMALL_SLOT = (PAGE - 64) // 2
+BIG_SLOT = 256 * 1024  # a record with 32 meta entries of 1,024 4-byte characters fits
+_SLOTS = ((64, SMALL_SLOT), (64 + SMALL_SLOT, SMALL_SLOT),
+          (PAGE, BIG_SLOT), (PAGE + BIG_SLOT, BIG_SLOT))
+DATA_OFFSET = PAGE + 2 * BIG_SLOT
+_SLOT_HEAD = struct.Struct("=QII")  # sequence number, payload length, CRC-32
+# The most one read into the ring may write (a pty read returns far less): after an
+# unclean stop, at most this much of a full ring can have been overwritten uncounted.
+MAX_READ = 64 * 1024
+
+
+R = TypeVar("R", "Record", "HolderRecord")
+
+
+class CorruptState(Exception):
+    """A file that is not a state file of this layout, or has no valid record."""
+
+
+class Record(msgspec.Struct, kw_only=True):
+    """What a state file says about its session. New fields get defaults (old files still
+    decode); the ring's layout (`capacity`, `origin`, `total_at_layout`, `length_at_layout`)
+    maps the hot `total` to where the bytes are (see escrowd.ring)."""
+
+    token: str
+    owner: str
+    id: str
+    label: str = ""
+    child_pid: int | None = None
+    child_start_time: float | None = None
+    cols: int = 0
+    rows: int = 0
+    meta: dict[str, str] = {}
+    state: str = "held"
+    deposited_at: float = 0.0
+    state_since: float = 0.0
+    custodian_pid: int | None = None
+    custodian_start_time: float | None = None
+    handoff_id: str | None = None
+    saved_flags: int | None = None  # the app's file status flags, restored at handoff
+    capacity: int = 0
+    origin: int = 0
+    total_at_layout: int = 0
+    length_at_layout: int = 0
+    gap_total: int | None = None  # the byte number after which one read may be missing
+    instance: str = ""  # the holder that wrote it
+    clean: bool = False  # True only once a holder stopped cleanly after writing it
+
+
+class HolderRecord(msgspec.Struct, kw_only=True):
+    """The holder's own state file (no ring): how often holders restarted on this store."""
+
+    instance: str
+    started_at: float
+    restarts: int = 0
+    unclean_restarts: int = 0
+    clean: bool = False
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type[msgspec.Struct], msgspec.msgpack.Decoder[Any]] = {
+    kind: msgspec.msgpack.Decoder(kind) for kind in (Record, HolderRecord)
+}
+
+
+class StateFile(Generic[R]):
+    """One state file, mapped, whose records are `kind`s. Resource handling: owns `fd` and
+    the mapping; `close()` releases both (the file lives on while another process, such as
+    the fd store, holds a copy of the fd)."""
+
+    def __init__(self, fd: int, kind: type[R]) -> None:
+        """Map an existing state file and check its fixed header (CorruptState if it is
+        not one). The caller gives up `fd` to this object, also on error."""
+        try:
+            length = os.fstat(fd).st_size
+            if length < DATA_OFFSET:
+                raise CorruptState(f"{length} bytes is too short for a state file")
+            self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            raise CorruptState(f"cannot map the state file: {exc}") from None
+        self.fd = fd
+        self._decoder: msgspec.msgpack.Decoder[R] = _decoders[kind]
+        self._view = memoryview(self._mm)
+        try:
+            magic, version, crc, data_offset, size = _FIXED.unpack_from(self._mm, 0)
+            if magic != MAGIC:
+                raise CorruptState("not a state file (bad magic)")
+            if version != LAYOUT_VERSION:
+                raise CorruptState(f"state file layout {version}, not {LAYOUT_VERSION}")
+            if crc != _fixed_crc(self._mm[:TOTAL_OFFSET]):
+                raise CorruptState("the state file's header fails its checksum")
+            if data_offset != DATA_OFFSET or data_offset + size > length:
+                raise CorruptState("the state file's data area does not fit the file")
+        except BaseException:
+            self.close()
+            raise
+        self.size = int(size)
+        self.data = self._view[DATA_OFFSET : DATA_OFFSET + self.size]
+        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 8].cast("Q")
+        self._slot_seq: dict[int, int] = {}
+        self._newest_slot: int | None = None
+        self._seq: int
+        self._newest: R | None
+        self._seq, self._newest = self._scan()
+
+    @classmethod
+    def create(cls, kind: type[R], size: int, name: str,
+               private_dir: str | None = None) -> StateFile[R]:
+        """A new, empty state file with a data area of `size` bytes (sparse)."""
+        fd = _new_file(name, private_dir)
+        try:
+            os.ftruncate(fd, DATA_OFFSET + size)
+            if sys.platform == "linux":
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            header = bytearray(_FIXED.size)
+            _FIXED.pack_into(header, 0, MAGIC, LAYOUT_VERSION, 0, DATA_OFFSET, size)
+            os.pwrite(fd, header, 0)
+            header += bytes(TOTAL_OFFSET - len(header))
+            os.pwrite(fd, struct.pack("=I", _fixed_crc(bytes(header))), 12)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, kind)
+
+    # --- the hot counter -------------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        return int(self._total[0])
+
+    def set_total(self, total: int) -> None:
+        """One aligned 8-byte store: a kill leaves the old value or the new, never half."""
+        self._total[0] = total
+
+    # --- records -----------------------------------------------------------------------------
+
+    def record(self) -> R | None:
+        """The newest valid record, or None if none was ever written."""
+        return self._newest
+
+    def write(self, record: R) -> None:
+        """Write `record` into a slot that does not hold the newest valid one, then it is
+        the newest. A kill at any point leaves either record readable."""
+        payload = _encoder.encode(record)
+        newest = self._newest_slot
+        fits = [i for i, (_, size) in enumerate(_SLOTS)
+                if i != newest and _SLOT_HEAD.size + len(payload) <= size]
+        if not fits:
+            raise ValueError(f"a record of {len(payload)} bytes does not fit a slot")
+        # Prefer page 0 (already resident), and the slot written longest ago.
+        target = min(fits, key=lambda i: (i >= 2, self._slot_seq.get(i, -1)))
+        seq = self._seq + 1
+        offset, _ = _SLOTS[target]
+        head_at, body_at = offset, offset + _SLOT_HEAD.size
+        self._mm[body_at : body_at + len(payload)] = payload
+        crc = zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, len(payload))))
+        _SLOT_HEAD.pack_into(self._mm, head_at, seq, len(payload), crc)
+        self._seq, self._newest, self._newest_slot = seq, record, target
+        self._slot_seq[target] = seq
+
+    def _scan(self) -> tuple[int, R | None]:
+        """The newest valid record and its sequence number; fills `_slot_seq` with the
+        sequence number of every valid slot."""
+        best: tuple[int, R | None] = (0, None)
+        for i, (offset, size) in enumerate(_SLOTS):
+            seq, length, crc = _SLOT_HEAD.unpack_from(self._mm, offset)
+            if seq == 0 or length > size - _SLOT_HEAD.size:
+                continue
+            body_at = offset + _SLOT_HEAD.size
+            payload = bytes(self._mm[body_at : body_at + length])
+            if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
+                continue  # torn, or never finished
+            try:
+                record = self._decoder.decode(payload)
+            except msgspec.DecodeError:
+                continue
+            self._slot_seq[i] = seq
+            if seq > best[0]:
+                best = (seq, record)
+                self._newest_slot = i
+        return best
+
+    def close(self) -> None:
+        """Unmap and close (idempotent). Views handed out (`data`) must not be used after."""
+        for view in ("data", "_total", "_view"):
+            held = self.__dict__.pop(view, None)
+            if held is not None:
+                held.release()
+        mm = self.__dict__.pop("_mm", None)
+        if mm is not None:
+            mm.close()
+        if getattr(self, "fd", -1) >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _fixed_crc(head: bytes) -> int:
+    """CRC-32 of the fixed header's static fields (`head` is its first TOTAL_OFFSET bytes:
+    everything but the CRC itself and the hot counter)."""
+    return zlib.crc32(head[16:TOTAL_OFFSET], zlib.crc32(head[:12]))
+
+
+def _new_file(name: str, private_dir: str | None) -> int:
+    if sys.platform == "linux":
+        return os.memfd_create(f"escrowd:{name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    # macOS has no memfd: an unlinked file in the holder's private (0700) directory.
+    fd, path = tempfile.mkstemp(prefix=".state-", dir=private_dir)
+    os.unlink(path)
+    return fd
