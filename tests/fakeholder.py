@@ -4,7 +4,8 @@ misbehaves as the test says.
 
 The test gives one *script* per connection it expects, in order: a function of the greeted
 `Peer`. The server accepts a connection, answers its `hello` with a `welcome`, runs the next
-script, and closes the connection when the script returns. Once every script has run it
+script, and closes the connection when the script returns (with `repeat_last`, the last
+script serves every further connection until `close()`). Once every script has run it
 closes its listener too, so a further connection is refused, as by a holder that is gone
 (the socket file stays). Everything a client sent after its `hello` is recorded per connection in
 `FakeHolder.received`, so a test can assert what never left the client (an `ack`, say).
@@ -86,6 +87,7 @@ class FakeHolder:
         welcome: protocol.Welcome = WELCOME,
         welcome_delay: float = 0.0,
         timeout: float = 10.0,
+        repeat_last: bool = False,
     ) -> None:
         self.socket_path = str(directory / "fake.sock")
         self.received: list[list[protocol.Request]] = []
@@ -93,6 +95,8 @@ class FakeHolder:
         self._welcome = welcome
         self._welcome_delay = welcome_delay
         self._timeout = timeout
+        self._repeat_last = repeat_last  # serve the last script until close()
+        self._closing = False
         self._error: BaseException | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.socket_path)
@@ -105,26 +109,50 @@ class FakeHolder:
         return EscrowClient(OWNER, socket_path=self.socket_path, timeout=timeout)
 
     def _serve(self) -> None:
+        scripts = iter(self._scripts)
+        script = next(scripts, None)
+        repeating = False
         try:
-            for script in self._scripts:
+            while script is not None:
                 sock, _ = self._listener.accept()
+                if self._closing:  # close()'s own connection, to wake us
+                    sock.close()
+                    return
                 with sock:
-                    sock.settimeout(self._timeout)
-                    received: list[protocol.Request] = []
-                    self.received.append(received)
-                    peer = Peer(sock, received)
-                    peer.expect(protocol.Hello)
-                    received.clear()  # what follows the handshake is what tests look at
-                    if self._welcome_delay:
-                        time.sleep(self._welcome_delay)  # the behaviour under test: a slow holder
-                    peer.send(self._welcome)
-                    script(peer)
+                    try:
+                        self._serve_one(sock, script)
+                    except (EOFError, BrokenPipeError, ConnectionResetError):
+                        if not repeating:
+                            raise
+                        # Serving on until close(), a client may give up anywhere in a
+                        # call (its deadline ran out): that is not the test failing.
+                following = next(scripts, None)
+                if following is None and self._repeat_last:
+                    repeating = True
+                else:
+                    script = following
         except BaseException as exc:  # handed to the test's thread by close()
             self._error = exc
         finally:
             self._listener.close()  # gone: the next connect is refused
 
+    def _serve_one(self, sock: socket.socket, script: Script) -> None:
+        sock.settimeout(self._timeout)
+        received: list[protocol.Request] = []
+        self.received.append(received)
+        peer = Peer(sock, received)
+        peer.expect(protocol.Hello)
+        received.clear()  # what follows the handshake is what tests look at
+        if self._welcome_delay:
+            time.sleep(self._welcome_delay)  # the behaviour under test: a slow holder
+        peer.send(self._welcome)
+        script(peer)
+
     def close(self) -> None:
+        if self._repeat_last and self._thread.is_alive():
+            self._closing = True
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                wake.connect(self.socket_path)  # wakes accept(), which sees _closing
         self._thread.join(self._timeout + 5.0)
         assert not self._thread.is_alive(), "the fake holder did not finish its scripts"
         if self._error is not None:

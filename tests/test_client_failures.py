@@ -308,6 +308,28 @@ def test_no_done_asks_who_owns_the_fd(socket_dir: Path, terminal: tuple[int, int
             os.close(got.fd)
 
 
+def test_a_handoff_still_under_way_at_the_deadline_keeps_the_fd(
+    socket_dir: Path, terminal: tuple[int, int]
+) -> None:
+    """No `done`, and the holder keeps saying the session is `handing_off` under our
+    handoff_id (still acting on our ack, or wedged) until the client's deadline: the client
+    cannot tell whether the holder has closed its copy, so it keeps the fd, unconfirmed,
+    rather than risk hanging up the terminal for good."""
+    master, _ = terminal
+    still = answer_list(info("handing_off", HANDOFF_ID))
+    # A short client timeout keeps the test short; small budgets keep it above them.
+    welcome = msgspec.structs.replace(WELCOME, drain_stop_budget=0.05, send_deadline=0.05)
+    with FakeHolder(socket_dir, [hand_over(master), still], welcome=welcome,
+                    repeat_last=True) as fake:
+        got = fake.client(timeout=0.6).retrieve(SID)
+    try:
+        assert not got.confirmed
+        assert len(fake.received) > 2  # it asked again while time was left
+        assert fds_open_on(master) == {master, got.fd}
+    finally:
+        os.close(got.fd)
+
+
 def test_a_reply_other_than_done_asks_who_owns_the_fd(socket_dir: Path,
                                                       terminal: tuple[int, int]) -> None:
     """A holder that answers the ack with something other than `done` has not confirmed
