@@ -495,6 +495,26 @@ def test_msg_ctrunc_is_a_bad_request_and_the_connection_goes_on(
     assert "ctrunc" not in {s.id for s in h.client().list()}
 
 
+def test_ctrunc_in_the_body_also_closes_the_fd_that_came_with_the_header(
+    h: HolderProcess, fds: Fds
+) -> None:
+    """Incident pinned (issue 9, item 10): a frame whose fds came in two chunks (one with
+    its header, nine with its body, so the body's ancillary data was truncated) was refused
+    with only the body's fds closed: the header's fd stayed open in the holder, one more
+    with every such frame until it ran out. Every fd of a refused frame is closed, whichever
+    chunk brought it."""
+    body = P.encode(P.Deposit(id="ctrunc"))[P.HEADER.size:]
+    with RawClient(h.socket) as raw:
+        raw.hello()
+        send_with_fds(raw.sock, P.HEADER.pack(len(body)), [fds.pty_master()])
+        send_with_fds(raw.sock, body, [fds.pipe_read()] * 9)
+        error = expect_error(raw, "bad_request")
+        assert "MSG_CTRUNC" in error.message
+        wait_fds(h, 2)  # the bystander's master and this connection: nothing else
+        expect_still_serving(raw)
+    assert "ctrunc" not in {s.id for s in h.client().list()}
+
+
 def test_ctrunc_before_hello_then_hello(h: HolderProcess, fds: Fds) -> None:
     with RawClient(h.socket) as raw:
         send_with_fds(raw.sock, P.encode(HELLO), [fds.pipe_read()] * 12)

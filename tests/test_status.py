@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import HolderProcess, start_holder, wait_for
-from escrow_client import HolderStatus, paths
+from escrow_client import HolderStatus, liveness, paths
 from escrow_client.liveness import process_start_time
 
 RUNNING, DEAD, NOT_RUNNING, INDETERMINATE, UNRESPONSIVE = 0, 1, 3, 4, 150
@@ -68,10 +68,9 @@ def stopped(holder: HolderProcess) -> Iterator[None]:
         os.kill(holder.pid, signal.SIGCONT)
 
 
-@contextmanager
-def lock_taken_by_helper(sock: str) -> Iterator[int]:
-    """A separate live process takes `<socket>.lock` the way escrowd does (fcntl.lockf),
-    and holds it for the block. Yields its pid."""
+def take_lock_in_helper(sock: str) -> subprocess.Popen[str]:
+    """Start a separate live process that takes `<socket>.lock` the way escrowd does
+    (fcntl.lockf) and holds it until `drop_lock(helper)`; return once it holds it."""
     code = (
         "import fcntl, os, sys\n"
         f"fd = os.open({paths.lock_path(sock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
@@ -79,15 +78,34 @@ def lock_taken_by_helper(sock: str) -> Iterator[int]:
         "print('locked', flush=True)\n"
         "sys.stdin.read()\n"
     )
-    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as helper:
-        try:
-            assert helper.stdout is not None and helper.stdout.readline() == "locked\n"
-            yield helper.pid
-        finally:
-            assert helper.stdin is not None
-            helper.stdin.close()  # its read returns: it exits, and the lock goes with it
-            helper.wait(10)
+    helper = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert helper.stdout is not None and helper.stdout.readline() == "locked\n"
+    except BaseException:
+        drop_lock(helper)
+        raise
+    return helper
+
+
+def drop_lock(helper: subprocess.Popen[str]) -> None:
+    """The helper exits (its read of stdin returns), and the lock goes with it."""
+    if helper.returncode is not None:
+        return
+    assert helper.stdin is not None and helper.stdout is not None
+    helper.stdin.close()
+    helper.wait(10)
+    helper.stdout.close()
+
+
+@contextmanager
+def lock_taken_by_helper(sock: str) -> Iterator[int]:
+    """A separate live process holds `<socket>.lock` for the block. Yields its pid."""
+    helper = take_lock_in_helper(sock)
+    try:
+        yield helper.pid
+    finally:
+        drop_lock(helper)
 
 
 def dead_pid() -> int:
@@ -338,6 +356,56 @@ def test_indeterminate_when_a_socket_without_the_lock_does_not_answer(socket_dir
     assert (code, report["state"]) == (INDETERMINATE, "indeterminate")
     assert report["evidence"]["socket_answer"] == "accepted_no_answer"
     assert report["evidence"]["lock"] == "missing"
+
+
+# --- what changes while status looks -------------------------------------------------------
+
+
+CHANGES = ["pidfile_appears", "socket_file_appears", "lock_taken", "lock_dropped"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_while_status_looks_is_never_dead_or_not_running(
+    socket_dir: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Incident pinned (issue 9, item 11): a monitor ran `escrowctl status` while a holder
+    was starting (or stopping) and was told `dead`, or `not_running`, from evidence it had
+    seen only once: a pidfile or socket file that appeared after it first looked, a lock
+    free on one side of the socket probe only. Positive proof needs the same evidence on
+    both sides of the probe; a change in between is `indeterminate`.
+
+    The change is made by the socket probe itself (the real probe, then a real file or a
+    real lock taken or dropped by another process), so it falls exactly between the two
+    looks."""
+    sock = str(socket_dir / "escrowd.sock")
+    helpers: list[subprocess.Popen[str]] = []
+    if change == "lock_dropped":
+        helpers.append(take_lock_in_helper(sock))
+    real_probe = liveness.probe_socket
+
+    def probe_then_change(*args: Any, **kwargs: Any) -> liveness.SocketProbe:
+        probe = real_probe(*args, **kwargs)
+        assert probe.answer == liveness.MISSING
+        if change == "pidfile_appears":
+            paths.write_pidfile(sock, dead_pid(), 12345.0)
+        elif change == "socket_file_appears":
+            bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bound.bind(sock)  # a socket file that refuses: as a holder dead or starting
+            bound.close()
+        elif change == "lock_taken":
+            helpers.append(take_lock_in_helper(sock))
+        else:
+            drop_lock(helpers[0])
+        return probe
+
+    monkeypatch.setattr(liveness, "probe_socket", probe_then_change)
+    try:
+        verdict = liveness.holder_verdict(sock, timeout=1.0)
+    finally:
+        for helper in helpers:
+            drop_lock(helper)
+    assert verdict.state == "indeterminate", (verdict.state, verdict.reason)
+    assert verdict.evidence["leftovers"] == []
 
 
 # --- clean start: two holders at once -----------------------------------------------------
