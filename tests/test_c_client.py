@@ -29,6 +29,7 @@ import hostile
 import msgspec
 import pytest
 from hostile import COUNTER, NOBODY, assert_gap_free_from_1, numbered_lines, read_more_lines
+from test_protocol_doc import doc_blocks, doc_text, hex_bytes, linux_constants, load_vectors
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
 from escrow_client import fdpass, protocol
@@ -690,3 +691,68 @@ def test_the_sanitizers_are_built_in(build: Build) -> None:
     usage = subprocess.run([str(build.sanitized)], capture_output=True,
                            env={**os.environ, **SANITIZER_ENV})
     assert usage.returncode == 2 and b"usage" in usage.stderr
+
+
+# --- the codec against the protocol's test vectors -----------------------------------------------
+
+VECTORS = load_vectors()
+REQUEST_VECTORS = [n for n, v in VECTORS.items() if v["direction"] == "client_to_holder"]
+RESPONSE_VECTORS = [n for n, v in VECTORS.items() if v["direction"] == "holder_to_client"]
+
+
+def encode_args(message: dict[str, Any]) -> list[str]:
+    """The driver's `encode` arguments for a request vector's message."""
+    kind = message["type"]
+    if kind == "hello":
+        assert message["version"] == 1
+        return [kind, message["owner"], message["client"], repr(message["timeout"])]
+    if kind == "deposit":
+        meta = [f"{k}={v}" for k, v in message["meta"].items()]
+        return [kind, message["id"], message["label"], str(message["child_pid"] or 0),
+                str(message["cols"]), str(message["rows"]), *meta]
+    if kind == "ack":
+        return [kind, message["id"], message["handoff_id"]]
+    if kind == "list":
+        return [kind, "true" if message["all_owners"] else "false"]
+    if kind == "status":
+        return [kind]
+    return [kind, message["id"]]
+
+
+@pytest.mark.parametrize("name", REQUEST_VECTORS)
+def test_the_c_encoder_writes_each_request_vector(build: Build, name: str) -> None:
+    run = run_c(build, None, "encode", *encode_args(VECTORS[name]["message"]))
+    assert run.status == 0, run.err
+    assert run.out.decode().strip() == VECTORS[name]["frame"]
+
+
+@pytest.mark.parametrize("name", RESPONSE_VECTORS)
+def test_the_c_decoder_reads_each_response_vector(build: Build, name: str) -> None:
+    decoded = run_c(build, None, "decode", VECTORS[name]["frame"]).json()
+    decoded.pop("escrow_code", None)  # the driver's own additions to an error
+    decoded.pop("sys_errno", None)
+    assert decoded == VECTORS[name]["message"]
+
+
+def test_every_request_type_and_response_type_has_a_vector() -> None:
+    types = {v["message"]["type"] for v in VECTORS.values()}
+    needed = {"hello", "deposit", "retrieve", "ack", "list", "welcome", "deposited", "handoff",
+              "done", "sessions", "error"}
+    assert needed <= types
+
+
+@pytest.mark.skipif(not (os.uname().sysname == "Linux" and os.uname().machine in (
+    "x86_64", "aarch64")), reason="the layout shown is 64-bit Linux's")
+def test_the_c_macros_build_the_documented_control_message(build: Build) -> None:
+    """PROTOCOL.md 4.4's byte listing (for ports without CMSG_* macros) is what the C
+    macros build, and section 13's Linux constants are the C headers'."""
+    layout = run_c(build, None, "cmsg").json()
+    shown = hex_bytes(dict(doc_blocks(doc_text(), "cmsg"))["linux-64"])
+    assert bytes.fromhex(layout["bytes"]) == shown
+    assert (layout["cmsg_len_4"], layout["cmsg_space_4"], layout["cmsg_space_32"]) == (
+        20, 24, 48)
+    assert layout["header"] == layout["data_offset"] == 16
+    constants = linux_constants()
+    for name in ("SOL_SOCKET", "SCM_RIGHTS", "MSG_CTRUNC", "MSG_NOSIGNAL", "MSG_CMSG_CLOEXEC",
+                 "sun_path"):
+        assert constants[name] == layout[name.lower()], name
