@@ -641,7 +641,8 @@ static escrow_code read_exactly(int sock, unsigned char *buf, size_t n, frame *f
         if (r < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                if (wait_io(sock, POLLIN, deadline) != 0) return io_failed(err, errno, "did not answer");
+                if (wait_io(sock, POLLIN, deadline) != 0)
+                    return io_failed(err, errno, "did not answer");
                 continue;
             }
             return io_failed(err, errno, "did not answer");
@@ -728,7 +729,8 @@ static escrow_code send_frame(int sock, const unsigned char *data, size_t len, i
         int e = errno;
         if (e == EINTR) continue; /* nothing was sent, fd included: send it again */
         if (e == EAGAIN || e == EWOULDBLOCK) {
-            if (wait_io(sock, POLLOUT, deadline) != 0) return io_failed(err, errno, "did not take a request");
+            if (wait_io(sock, POLLOUT, deadline) != 0)
+                return io_failed(err, errno, "did not take a request");
             continue;
         }
         if (e == EPIPE || e == ECONNRESET) {
@@ -893,7 +895,8 @@ static int rd_session(mp_in *in, escrow_session *s) {
         if (rd_str(in, &k, &kl) != 0) return -1;
         if (key_is(k, kl, "owner")) r = rd_exact(in, s->owner, sizeof s->owner), need &= ~OWNER;
         else if (key_is(k, kl, "id")) r = rd_exact(in, s->id, sizeof s->id), need &= ~ID;
-        else if (key_is(k, kl, "state")) r = rd_exact(in, s->state, sizeof s->state), need &= ~STATE;
+        else if (key_is(k, kl, "state"))
+            r = rd_exact(in, s->state, sizeof s->state), need &= ~STATE;
         else if (key_is(k, kl, "label")) r = rd_cut(in, s->label, sizeof s->label);
         else if (key_is(k, kl, "child_pid")) r = rd_opt_int(in, &s->child_pid);
         else if (key_is(k, kl, "child_alive"))
@@ -933,7 +936,8 @@ static int decode_welcome(const frame *f, escrow_welcome *w) {
         else if (key_is(k, kl, "pid")) r = rd_int(&in, &w->pid), need &= ~PID;
         else if (key_is(k, kl, "drain_stop_budget"))
             r = rd_float(&in, &w->drain_stop_budget), need &= ~BUDGET;
-        else if (key_is(k, kl, "send_deadline")) r = rd_float(&in, &w->send_deadline), need &= ~SEND;
+        else if (key_is(k, kl, "send_deadline"))
+            r = rd_float(&in, &w->send_deadline), need &= ~SEND;
         else if (key_is(k, kl, "ack_deadline")) r = rd_float(&in, &w->ack_deadline), need &= ~ACK;
         else if (key_is(k, kl, "limits")) r = rd_ints(&in, &w->limits);
         else r = rd_skip(&in, 0);
@@ -1039,9 +1043,11 @@ static int decode_status(const frame *f, escrow_status *s) {
         int r;
         if (rd_str(&in, &k, &kl) != 0) return -1;
         if (key_is(k, kl, "pid")) r = rd_int(&in, &s->pid), need &= ~PID;
-        else if (key_is(k, kl, "version")) r = rd_cut(&in, s->version, sizeof s->version), need &= ~VERSION;
+        else if (key_is(k, kl, "version"))
+            r = rd_cut(&in, s->version, sizeof s->version), need &= ~VERSION;
         else if (key_is(k, kl, "started_at")) r = rd_float(&in, &s->started_at), need &= ~STARTED;
-        else if (key_is(k, kl, "socket")) r = rd_cut(&in, s->socket, sizeof s->socket), need &= ~SOCKET;
+        else if (key_is(k, kl, "socket"))
+            r = rd_cut(&in, s->socket, sizeof s->socket), need &= ~SOCKET;
         else if (key_is(k, kl, "sessions_by_state")) r = rd_ints(&in, &s->sessions_by_state);
         else if (key_is(k, kl, "counters")) r = rd_ints(&in, &s->counters);
         else if (key_is(k, kl, "limits")) r = rd_ints(&in, &s->limits);
@@ -1078,10 +1084,12 @@ static int decode_error_fields(const frame *f, escrow_error *e) {
         size_t kl;
         int r;
         if (rd_str(&in, &k, &kl) != 0) return -1;
-        if (key_is(k, kl, "code")) r = rd_cut(&in, e->code_name, sizeof e->code_name), need &= ~CODE;
+        if (key_is(k, kl, "code"))
+            r = rd_cut(&in, e->code_name, sizeof e->code_name), need &= ~CODE;
         else if (key_is(k, kl, "message"))
             r = rd_cut(&in, e->message, sizeof e->message), need &= ~MESSAGE;
-        else if (key_is(k, kl, "id")) r = rd_nil(&in) ? (e->id[0] = 0, 0) : rd_cut(&in, e->id, sizeof e->id);
+        else if (key_is(k, kl, "id"))
+            r = rd_nil(&in) ? (e->id[0] = 0, 0) : rd_cut(&in, e->id, sizeof e->id);
         else if (key_is(k, kl, "versions")) r = rd_versions(&in, e);
         else r = rd_skip(&in, 0);
         if (r != 0) return -1;
@@ -1114,7 +1122,8 @@ static void conn_close(conn *c) {
 static escrow_code send_request(conn *c, mp_out *o, int fd, double deadline, escrow_error *err) {
     int64_t limit;
     escrow_code rc = ESCROW_OK;
-    if (escrow_ints_get(&c->welcome.limits, "max_request_bytes", &limit) && (int64_t)o->len - 4 > limit)
+    if (escrow_ints_get(&c->welcome.limits, "max_request_bytes", &limit) &&
+        (int64_t)o->len - 4 > limit)
         rc = fail(err, ESCROW_BAD_REQUEST, 0, NULL,
                   "a request of %zu bytes is over the holder's limit of %lld: nothing was sent",
                   o->len - 4, (long long)limit);
@@ -1125,7 +1134,8 @@ static escrow_code send_request(conn *c, mp_out *o, int fd, double deadline, esc
 }
 
 /* The next frame, which must be `want` or an `error` (returned as its code). */
-static escrow_code receive(conn *c, const char *want, double deadline, frame *f, escrow_error *err) {
+static escrow_code receive(conn *c, const char *want, double deadline, frame *f,
+                           escrow_error *err) {
     escrow_code rc = recv_frame(c->sock, deadline, f, err);
     if (rc != ESCROW_OK) return rc;
     if (strcmp(f->type, want) == 0) return ESCROW_OK;
@@ -1142,7 +1152,8 @@ static escrow_code call(conn *c, mp_out *o, int fd, const char *want, double dea
 }
 
 /* Connect, check whom we reached, and say hello (section 5). */
-static escrow_code connect_greet(const escrow_client *cl, conn *c, double deadline, escrow_error *err) {
+static escrow_code connect_greet(const escrow_client *cl, conn *c, double deadline,
+                                 escrow_error *err) {
     mp_out o = {0};
     frame f;
     memset(c, 0, sizeof *c);
@@ -1159,7 +1170,8 @@ static escrow_code connect_greet(const escrow_client *cl, conn *c, double deadli
     if (decode_welcome(&f, &c->welcome) != 0)
         rc = fail(err, ESCROW_PROTOCOL, 0, NULL, "the holder sent a malformed welcome");
     else if (c->welcome.version != ESCROW_PROTOCOL_VERSION)
-        rc = fail(err, ESCROW_PROTOCOL, 0, NULL, "the holder answered version %lld to a hello of %d",
+        rc = fail(err, ESCROW_PROTOCOL, 0, NULL,
+                  "the holder answered version %lld to a hello of %d",
                   (long long)c->welcome.version, ESCROW_PROTOCOL_VERSION);
     frame_free(&f);
     if (rc != ESCROW_OK) conn_close(c);
@@ -1174,7 +1186,8 @@ escrow_code escrow_client_init(escrow_client *c, const char *owner, const char *
     snprintf(c->owner, sizeof c->owner, "%s", owner);
     snprintf(c->client_name, sizeof c->client_name, "escrow.c pid=%ld", (long)getpid());
     c->timeout = timeout > 0 ? timeout : ESCROW_DEFAULT_TIMEOUT;
-    if (socket_path != NULL) return absolute(socket_path, c->socket_path, sizeof c->socket_path, err);
+    if (socket_path != NULL)
+        return absolute(socket_path, c->socket_path, sizeof c->socket_path, err);
     return escrow_default_socket_path(c->socket_path, sizeof c->socket_path, err);
 }
 
@@ -1231,7 +1244,8 @@ void escrow_custody_close(escrow_custody *cu) {
             ssize_t n = recv(cu->sock, sink, sizeof sink, 0);
             if (n == 0) break;
             if (n > 0 || errno == EINTR) continue;
-            if ((errno != EAGAIN && errno != EWOULDBLOCK) || wait_io(cu->sock, POLLIN, deadline) != 0)
+            if ((errno != EAGAIN && errno != EWOULDBLOCK) ||
+                wait_io(cu->sock, POLLIN, deadline) != 0)
                 break; /* the holder acts on our hang-up anyway; waiting was a courtesy */
         }
     }
@@ -1355,10 +1369,12 @@ static escrow_code resolve(const escrow_client *c, escrow_retrieved *r, escrow_e
             /* absent: the holder has no copy left; ours is the only one */
         } else if (strcmp(s->state, "handed_off") == 0) {
             if (strcmp(s->handoff_id, r->handoff_id) == 0) r->confirmed = 1;
-            else verdict = fail(err, ESCROW_HANDED_OFF, 0, id, "session %s was handed off to another client", id);
+            else verdict = fail(err, ESCROW_HANDED_OFF, 0, id,
+                                "session %s was handed off to another client", id);
         } else if (strcmp(s->state, "handing_off") == 0) {
             if (s->handoff_id[0] != 0 && strcmp(s->handoff_id, r->handoff_id) != 0)
-                verdict = fail(err, ESCROW_BUSY, 0, id, "session %s is being handed off to another client", id);
+                verdict = fail(err, ESCROW_BUSY, 0, id,
+                               "session %s is being handed off to another client", id);
             else again = 1; /* the holder is still acting on our ack or our hang-up */
         } else if (strcmp(s->state, "draining") == 0 || strcmp(s->state, "exited") == 0 ||
                    strcmp(s->state, "held") == 0) {
