@@ -286,6 +286,7 @@ class Holder:
                 "unsupported_version",
                 f"protocol version {hello.version} is not supported; this holder speaks "
                 f"{', '.join(map(str, protocol.SUPPORTED_VERSIONS))}",
+                versions=list(protocol.SUPPORTED_VERSIONS),
             )
             return False
         conn.owner, conn.client = hello.owner, hello.client

@@ -433,6 +433,8 @@ def test_an_unsupported_version_names_the_supported_ones(h: HolderProcess, versi
         error = expect_error(raw, "unsupported_version")
         assert f"protocol version {version} is not supported" in error.message
         assert "speaks 1" in error.message
+        assert error.versions == [1], "the supported versions, machine-readable"
+        assert error.id is None
         expect_closed(raw)
 
 

@@ -81,6 +81,7 @@ RESPONSES: list[P.Message] = [
     P.Error(code="custody_held", message="session com.example.term/tab-1 is still held",
             id="tab-1"),
     P.Error(code="bad_request", message="empty frame"),
+    P.Error(code="unsupported_version", message="this holder speaks 1", versions=[1]),
 ]
 
 EVERY_TYPE = {type(m) for m in REQUESTS + RESPONSES}
@@ -653,8 +654,24 @@ def test_absent_fields_take_their_defaults() -> None:
     )
     assert P.decode_request(packb({"type": "list"})) == P.List(all_owners=False)
     assert P.decode_response(packb({"type": "error", "code": "busy", "message": "m"})) == (
-        P.Error(code="busy", message="m", id=None)
+        P.Error(code="busy", message="m", id=None, versions=None)
     )
+
+
+def test_the_versions_of_an_unsupported_version_error_are_optional() -> None:
+    """`versions` came after version 1's first draft: an error without it still decodes, and
+    a decoder that predates it skips it (unknown fields are ignored)."""
+    error = P.Error(code="unsupported_version", message="speaks 1", versions=[1])
+    body = P.encode(error)[4:]
+    assert P.decode_response(body) == error
+
+    class OldError(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
+        code: str
+        message: str
+        id: str | None = None
+
+    old = msgspec.msgpack.decode(body, type=OldError)
+    assert (old.code, old.message, old.id) == ("unsupported_version", "speaks 1", None)
 
 
 def test_an_unknown_error_code_still_decodes() -> None:
