@@ -344,7 +344,7 @@ class Holder:
         try:
             if not is_pty_master(fd):
                 raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
-            terminal = terminal_identity(fd)
+            terminal = _terminal(fd)
             self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
             session = Session(conn.owner, request, fd, self.registry.new_ring(), conn,
@@ -453,6 +453,17 @@ def _open_reserve() -> int | None:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _terminal(fd: int) -> tuple[int, int] | None:
+    """Which terminal a deposit is, or the refusal if that cannot be told."""
+    try:
+        return terminal_identity(fd)
+    except OSError as exc:
+        if exc.errno in _FD_EXHAUSTION:
+            raise RegistryError("limit", _OUT_OF_FDS) from None
+        raise RegistryError("not_a_terminal", f"cannot tell which terminal the deposited fd "
+                            f"is: {exc.strerror or exc}") from None
 
 
 def _start_time(child_pid: int | None) -> float | None:

@@ -51,7 +51,7 @@ from hostile import (
 )
 from rawclient import RawClient
 
-from conftest import OWNER, HolderProcess, start_holder, wait_for
+from conftest import OWNER, HolderProcess, require_real, start_holder, wait_for
 from escrow_client import protocol
 
 P = protocol
@@ -692,8 +692,8 @@ def test_over_the_session_limit_is_limit(make_holder: Callable[..., HolderProces
 
 
 def test_a_peer_of_another_uid_is_forbidden(holder: HolderProcess) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the test forks a client that drops to uid 65534 (CI runs as root)")
+    require_real("root", os.geteuid() == 0,
+                 "needs root: the test forks a client that drops to uid 65534 (CI runs as root)")
     bystander = Bystander(holder)
     try:
         data, closed = connect_as(NOBODY, holder)
@@ -735,8 +735,8 @@ def test_a_socket_directory_open_to_others_is_refused(socket_dir: Path, mode: in
 
 
 def test_a_socket_directory_owned_by_someone_else_is_refused(socket_dir: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to chown a directory to another uid (CI runs as root)")
+    require_real("root", os.geteuid() == 0,
+                 "needs root to chown a directory to another uid (CI runs as root)")
     directory = socket_dir / "theirs"
     directory.mkdir(mode=0o700)
     os.chown(directory, NOBODY, NOBODY)

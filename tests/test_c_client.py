@@ -31,7 +31,7 @@ import pytest
 from hostile import COUNTER, NOBODY, assert_gap_free_from_1, numbered_lines, read_more_lines
 from test_protocol_doc import doc_blocks, doc_text, hex_bytes, linux_constants, load_vectors
 
-from conftest import OWNER, HolderProcess, PtyChild, wait_for
+from conftest import OWNER, HolderProcess, PtyChild, require_real, wait_for
 from escrow_client import fdpass, protocol
 
 SOURCE = Path(__file__).resolve().parent.parent / "client" / "c"
@@ -392,8 +392,8 @@ def test_a_symlinked_socket_directory_is_refused(build: Build, holder: HolderPro
 
 
 def test_a_socket_directory_of_another_uid_is_refused(build: Build, holder: HolderProcess) -> None:
-    if os.getuid() != 0:
-        pytest.skip("needs root to chown a directory to another uid (CI runs as root)")
+    require_real("root", os.getuid() == 0,
+                 "needs root to chown a directory to another uid (CI runs as root)")
     directory = os.path.dirname(holder.socket)
     os.chown(directory, NOBODY, NOBODY)
     try:
@@ -407,8 +407,8 @@ def test_a_socket_directory_of_another_uid_is_refused(build: Build, holder: Hold
 def test_a_listener_of_another_uid_gets_nothing(build: Build, socket_dir: Path) -> None:
     """The directory is ours and private, but the process listening in it runs as another
     user: the client checks the peer's uid after connect and sends not a byte."""
-    if os.getuid() != 0:
-        pytest.skip("needs root: a forked listener drops to uid 65534 (CI runs as root)")
+    require_real("root", os.getuid() == 0,
+                 "needs root: a forked listener drops to uid 65534 (CI runs as root)")
     path = str(socket_dir / "impostor.sock")
     r, w = os.pipe()
     pid = os.fork()

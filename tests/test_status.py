@@ -443,3 +443,32 @@ def test_two_holders_started_at_once_end_with_one(socket_dir: Path, round_: int)
             if p.poll() is None:
                 p.terminate()
             p.wait(10)
+
+
+def test_status_never_hangs_on_a_fifo_or_follows_a_symlink_left_as_a_pidfile(
+    socket_dir: Path,
+) -> None:
+    """A FIFO (or a symlink to one) where the pidfile or the lock file should be: status
+    reads neither (O_NONBLOCK, O_NOFOLLOW, regular files only) and answers at once."""
+    d = socket_dir / "odd"
+    d.mkdir(mode=0o700)
+    sock = str(d / "escrowd.sock")
+    os.mkfifo(sock + ".pid")
+    os.mkfifo(d / "fifo")
+    os.symlink(d / "fifo", sock + ".lock")
+    started = time.monotonic()
+    verdict = liveness.holder_verdict(sock, timeout=1.0)
+    assert time.monotonic() - started < 5.0
+    assert verdict.state == "indeterminate", verdict
+    assert verdict.evidence["pidfile"]["pid"] is None
+
+
+def test_a_missing_socket_directory_is_not_running_and_nothing_is_touched(
+    socket_dir: Path,
+) -> None:
+    """No directory: nothing can be there. Status says `not_running` without looking for
+    files in a directory that someone else could create meanwhile."""
+    sock = str(socket_dir / "absent" / "escrowd.sock")
+    verdict = liveness.holder_verdict(sock, timeout=1.0)
+    assert verdict.state == "not_running" and "nothing exists there" in verdict.reason
+    assert not (socket_dir / "absent").exists()
