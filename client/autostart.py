@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from . import errors, paths
+
 # Addressed to the app by its service manager, not to a holder the app happens to start: with
 # NOTIFY_SOCKET the holder would send READY=1 and MAINPID=<its pid> to the app's unit.
 _SERVICE_MANAGER_VARIABLES = (
@@ -42,7 +44,16 @@ spawned = 0  # holders this process has launched (extra ones exit on the lock)
 
 
 def spawn_holder(socket_path: str, idle_exit: float) -> None:
+    """Start a holder for `socket_path` (see the module's docstring). A directory the
+    holder would refuse (open to group or others) is refused here, with the holder's own
+    reason, rather than left for the caller to wait on in vain."""
     global spawned
+    directory = os.path.dirname(socket_path)
+    if os.path.isdir(directory):
+        try:
+            paths.ensure_private_dir(directory)
+        except paths.PathError as exc:
+            raise errors.EscrowConfigError(f"cannot start a holder there: {exc}") from None
     env = {k: v for k, v in os.environ.items() if k not in _SERVICE_MANAGER_VARIABLES}
     holder = [sys.executable, "-m", "escrowd", "--socket", socket_path,
               "--idle-exit", f"{idle_exit:g}"]

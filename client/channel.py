@@ -88,14 +88,19 @@ class Channel:
             raise
 
     def _arm(self, deadline: Deadline) -> None:
+        if self.sock.fileno() < 0:
+            raise errors.HolderUnresponsive(
+                f"the connection to {self.socket_path} was closed after a timeout")
         left = deadline.remaining()
         if left <= 0:
             raise self._timed_out("did not finish")
         self.sock.settimeout(left)
 
     def _timed_out(self, what: str) -> errors.HolderUnresponsive:
-        """A deadline passed: the only thing that opens the circuit breaker."""
+        """A deadline passed: the only thing that opens the circuit breaker. The stream is
+        out of step now (a late answer would be taken for the next one's): closed."""
         breaker.trip(self.socket_path, self.breaker_cooldown)
+        self.close()
         return errors.HolderUnresponsive(
             f"the holder on {self.socket_path} {what} in time", timed_out=True
         )
@@ -115,7 +120,10 @@ class Channel:
         except TimeoutError:
             raise self._timed_out("did not take a request") from None
         except OSError as exc:
-            raise self._answer_waiting(deadline) or self._gone(exc) from None
+            answer = None
+            if exc.errno in (errno.EPIPE, errno.ECONNRESET):
+                answer = self._answer_waiting(deadline, getattr(message, "id", None))
+            raise answer or self._gone(exc) from None
 
     def receive(self, deadline: Deadline) -> tuple[protocol.Response, list[int]]:
         """The next message, with the fds it carried. An `error` answer is raised."""
@@ -164,9 +172,10 @@ class Channel:
     def close(self) -> None:
         self.sock.close()
 
-    def _answer_waiting(self, deadline: Deadline) -> errors.EscrowError | None:
-        """A send failed: the holder may have answered and closed first (`forbidden`,
-        `limit`). That answer, not "broken pipe", is the truth; None if none is waiting."""
+    def _answer_waiting(self, deadline: Deadline, sid: str | None) -> errors.EscrowError | None:
+        """A send failed because the holder closed: it may have answered first
+        (`forbidden`, `limit`). That answer, not "broken pipe", is the truth, if it is
+        about this request (no id, or the id of `sid`); else None."""
         try:
             self.sock.settimeout(max(0.001, min(_ANSWER_WAIT, deadline.remaining())))
             body, fds = recv_frame(self.sock, MAX_RESPONSE_BYTES)
@@ -177,7 +186,7 @@ class Channel:
             message = protocol.decode_response(body)
         except protocol.ProtocolError:
             return None
-        if isinstance(message, protocol.Error):
+        if isinstance(message, protocol.Error) and message.id in (None, sid):
             return errors.from_code(message.code, message.message, message.id)
         return None
 

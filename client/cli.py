@@ -394,10 +394,16 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     """Write the systemd user units (Linux) or the LaunchAgent (macOS) for this
     installation's escrowd, and say what to run next. Starts nothing itself."""
     command = [args.escrowd] if args.escrowd else service_files.escrowd_command()
-    extra = [a for a in args.escrowd_args if a != "--"]
+    extra = args.escrowd_args[1:] if args.escrowd_args[:1] == ["--"] else args.escrowd_args
+    if any(a == "--socket" or a.startswith("--socket=") for a in extra):
+        raise errors.EscrowConfigError("give the socket as `escrowctl --socket PATH "
+                                       "install-service`, not among escrowd's arguments")
     home = Path.home()
     if args.kind == "launchd":
-        socket_path = paths.resolve_socket_path(args.socket)
+        # Pinned to what an app computes: a GUI app sees neither $ESCROW_SOCKET nor
+        # $XDG_RUNTIME_DIR from this shell.
+        socket_path = os.path.abspath(args.socket) if args.socket else os.path.join(
+            paths.SHARED_TMP, f"escrowd-{os.getuid()}", "escrowd.sock")
         files = {home / "Library" / "LaunchAgents" / f"{service_files.LAUNCHD_LABEL}.plist":
                  service_files.launchd_plist(command, socket_path,
                                              str(home / "Library" / "Logs" / "escrowd.log"),
@@ -408,7 +414,8 @@ def cmd_install_service(args: argparse.Namespace) -> int:
                       f"launchctl bootstrap gui/{os.getuid()} {shlex.quote(str(plist))}",
                       f"launchctl print {agent}"]
     else:
-        socket_path = args.socket or service_files.SYSTEMD_SOCKET
+        socket_path = (os.path.abspath(args.socket) if args.socket
+                       else service_files.SYSTEMD_SOCKET)
         config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
         unit_dir = config / "systemd" / "user"
         files = {unit_dir / "escrowd.service":
@@ -421,8 +428,11 @@ def cmd_install_service(args: argparse.Namespace) -> int:
         if args.print:
             print(f"# {path}\n{text}")
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as exc:
+            raise errors.EscrowConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
         print(f"wrote {path}")
     if not args.print:
         print(f"escrowd: {shlex.join(command)}, serving {socket_path}\nnext:")
@@ -474,8 +484,8 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be positive")
+    if not 0 < value < 86400 * 365:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
     return value
 
 
@@ -629,6 +639,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.EscrowError as exc:
         print(f"escrowctl: {exc} ({exc.code})", file=sys.stderr)
         return 1
+    except service_files.ServiceFileError as exc:
+        print(f"escrowctl: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # `escrowctl status | head -1`: the reader has what it wanted.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         return 130
 

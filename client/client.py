@@ -298,6 +298,8 @@ class EscrowClient:
             reply, _ = channel.call(protocol.List(), call)
             assert isinstance(reply, protocol.Sessions)
             live = {s.id: s for s in reply.sessions if s.state in protocol.LIVE_STATES}
+            if live:
+                self._check_invariant(w, until.remaining(), "reclaim deadline left")
             pending = list(live)
             grace_ends = Deadline(grace)
             pause = 0.02

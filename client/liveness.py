@@ -100,7 +100,8 @@ def read_lock(socket_path: str) -> LockState:
     path = paths.lock_path(socket_path)
     try:
         # O_NONBLOCK: a FIFO planted at the path must not hang the check.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+                     | os.O_NOFOLLOW)
     except FileNotFoundError:
         return LockState("missing")
     except OSError as exc:
@@ -158,12 +159,10 @@ def probe_socket(socket_path: str, timeout: float, list_sessions: bool = False) 
             return SocketProbe(ERROR, error=f"connect: {exc.strerror or exc}")
         probe = SocketProbe(ACCEPTED_NO_ANSWER)
         try:
-            probe.peer_pid = peer_credentials(sock)[0]
-            trust.check_peer(sock, socket_path)
-        except OSError:
-            pass
+            trust.check_peer(sock, socket_path)  # a listener that cannot be told is refused
         except errors.Forbidden as exc:
-            return SocketProbe(UNTRUSTED, error=str(exc), peer_pid=probe.peer_pid)
+            return SocketProbe(UNTRUSTED, error=str(exc))
+        probe.peer_pid = peer_credentials(sock)[0]
         try:
             hello = protocol.Hello(version=protocol.VERSION, owner=ADMIN_OWNER,
                                    client=f"escrowctl status pid={os.getpid()}",
@@ -292,8 +291,11 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     """
     try:
         trust.check_socket_dir(socket_path)
-    except errors.HolderUnavailable:
-        pass  # no directory: nothing is there, as the rows below will find
+    except errors.HolderUnavailable as exc:
+        # No directory: no lock file, no socket, nothing. Nothing else is looked at (a
+        # directory made there meanwhile would be someone else's to fill).
+        return Verdict("not_running", socket_path, reason=f"{exc}: nothing exists there",
+                       evidence={"trust": None, "timeout": timeout})
     except errors.EscrowError as exc:
         # Another user's directory: its files and its listener prove nothing about our
         # holder, and nothing in it is touched.

@@ -98,11 +98,20 @@ def write_pidfile(socket_path: str, pid: int, start_time: float) -> None:
 def read_pidfile(socket_path: str) -> PidRecord | None:
     """The recorded pid and start time, or None if the file is missing, empty or malformed."""
     try:
-        with open(pid_path(socket_path), encoding="ascii") as f:
-            fields = f.read().split()
+        # Never a FIFO to hang on, a device to open, or a symlink to follow.
+        fd = os.open(pid_path(socket_path),
+                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fields = os.read(fd, 256).decode("ascii").split()
         return PidRecord(int(fields[0]), float(fields[1]))
     except (OSError, ValueError, IndexError, UnicodeDecodeError):
         return None
+    finally:
+        os.close(fd)
 
 
 def _private_opener(path: str, flags: int) -> int:

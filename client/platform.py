@@ -97,12 +97,16 @@ def terminal_identity(fd: int) -> tuple[int, int] | None:
     does not open the tty, so nothing about the terminal changes), names its devpts
     instance (st_dev) and its number (st_rdev). Kernels before 4.13 lack TIOCGPTPEER:
     there the pts number is all there is, in an instance of its own (-1).
+    Any other failure (out of fds, a devpts that was unmounted) is an OSError: the
+    terminal cannot be told apart, and a guess could let one terminal in under two ids.
     """
     if sys.platform != "linux":
         return None
     try:
         peer = fcntl.ioctl(fd, _TIOCGPTPEER, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTTY, errno.EINVAL):
+            raise
         number = pty_number(fd)
         return None if number is None else (-1, number)
     try:

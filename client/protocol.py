@@ -199,9 +199,13 @@ class HolderStatus(Message, tag="holder_status"):
 
 
 class Error(Message, tag="error"):
+    """`versions` is set only in `unsupported_version`: the protocol versions the holder
+    speaks, so a client can choose one without parsing `message`."""
+
     code: str
     message: str
     id: str | None = None
+    versions: list[int] | None = None
 
 
 Response = Welcome | Deposited | Released | Handoff | Done | Sessions | HolderStatus | Error

@@ -9,6 +9,7 @@ writes the same text with the paths of the running installation.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -32,10 +33,15 @@ def escrowd_command() -> list[str]:
     return [sys.executable, "-m", "escrowd"]
 
 
+class ServiceFileError(ValueError):
+    """A path or argument that a unit file or plist could not carry as it is."""
+
+
 def systemd_service(command: list[str], socket_path: str = SYSTEMD_SOCKET,
                     extra_args: list[str] | None = None) -> str:
     words = [*command, "--socket", socket_path, *(extra_args or [])]
-    exec_start = shlex.join(_unit_escape(w) for w in words)
+    exec_start = shlex.join(
+        [_unit_word(words[0], variables=False)] + [_unit_word(w) for w in words[1:]])
     return f"""\
 # fd-escrow: the per-user holder of PTY masters. Install: `escrowctl install-service`
 # writes this file with the path of your escrowd (see README.md, "Running under systemd").
@@ -82,7 +88,7 @@ Description=fd-escrow holder socket (escrowd)
 
 [Socket]
 # The default socket path is $XDG_RUNTIME_DIR/escrowd/escrowd.sock (%t/escrowd/escrowd.sock).
-ListenStream={_unit_escape(socket_path)}
+ListenStream={_unit_word(socket_path, variables=False)}
 SocketMode=0600
 DirectoryMode=0700
 # Keep the socket file when stopping, so clients see "refused" (a holder may come back).
@@ -93,12 +99,23 @@ WantedBy=sockets.target
 """
 
 
-def _unit_escape(word: str) -> str:
-    """`word` as a literal in a unit file, where % starts a specifier and $ a variable;
-    the two specifiers this module means (%h, %t) are kept."""
+# What a word of ExecStart= or ListenStream= may hold here: anything else (quotes,
+# backslashes, control characters) systemd would read differently, or refuse.
+_UNIT_SAFE = re.compile(r"[A-Za-z0-9 ._/@+=,:~%$-]*")
+
+
+def _unit_word(word: str, variables: bool = True) -> str:
+    """`word` as a literal in a unit file: % starts a specifier everywhere, and $ a variable
+    in the arguments of ExecStart= (not in its executable, nor in ListenStream=). The two
+    specifiers this module means (%h, %t) are kept."""
     if word in (SHIPPED_SYSTEMD_ESCROWD, SYSTEMD_SOCKET):
         return word
-    return word.replace("%", "%%").replace("$", "$$")
+    if not _UNIT_SAFE.fullmatch(word):
+        raise ServiceFileError(
+            f"{word!r} holds characters a systemd unit cannot carry as they are (quotes, "
+            "backslashes, control characters): install where the path is plain")
+    word = word.replace("%", "%%")
+    return word.replace("$", "$$") if variables else word
 
 
 def launchd_plist(command: list[str], socket_path: str, log_path: str,

@@ -55,6 +55,9 @@ def check_socket_dir(socket_path: str) -> None:
         st = os.lstat(directory)
     except OSError as exc:
         raise connect_error(exc, socket_path) from None
+    except ValueError as exc:  # an embedded NUL
+        raise errors.EscrowConfigError(f"cannot use the socket path {socket_path!r} ({exc})"
+                                       ) from None
     uid = os.getuid()
     if stat.S_ISLNK(st.st_mode):
         raise errors.Forbidden(

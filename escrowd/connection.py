@@ -81,8 +81,10 @@ class Connection:
             return
         raise SendTimeout(errno.ETIMEDOUT, "send deadline passed: the peer is not reading")
 
-    async def send_error(self, code: str, message: str, sid: str | None = None) -> None:
-        await self.send(protocol.Error(code=code, message=message, id=sid))
+    async def send_error(
+        self, code: str, message: str, sid: str | None = None, versions: list[int] | None = None
+    ) -> None:
+        await self.send(protocol.Error(code=code, message=message, id=sid, versions=versions))
 
     def close(self) -> None:
         self.sock.close()

@@ -12,33 +12,49 @@ import re
 import select
 import sys
 import time
+import unicodedata
 
-_MAX_VALUE = 1000  # characters of one value; a longer one is cut and marked with "..."
+_MAX_VALUE = 1000  # characters of one value as written; a longer one is cut, ending "..."
 
 
 # Characters a client could use to steer a reader of the log: line breaks (a forged line),
 # C0 and C1 controls (ESC and CSI recolour or clear a terminal showing a foreground
-# holder), and invisible format characters (bidi overrides reorder what is shown).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
-_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+# holder), invisible format characters (bidi overrides reorder what is shown), and spaces
+# other than the space (a value would look like two).
+_UNSAFE_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp", "Zs"}
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", '"': '\\"'}
+_PLAIN = re.compile(r"[A-Za-z0-9._:@/+,%()-]+")
 
 
-def _escape_char(match: re.Match[str]) -> str:
-    c = match.group()
-    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+def _escape(c: str) -> str:
+    named = _NAMED.get(c)
+    if named is not None:
+        return named
+    if c != " " and (c < " " or "\x7f" <= c < "\xa0"
+                     or (c >= "\xa0" and unicodedata.category(c) in _UNSAFE_CATEGORIES)):
+        n = ord(c)
+        return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+    return c
 
 
 def _format(value: object) -> str:
-    """One value, safe to print: quoted (so that `shlex.split` gives it back) when it holds
-    a space, a quote, `=` or a backslash, and with every unsafe character written as an
-    escape (`\\n`, `\\x1b`, `\\u202e`), never as itself."""
+    """One value, safe to print: as it is when it is plain; else quoted (so that
+    `shlex.split` gives it back) with every unsafe character written as an escape (`\\n`,
+    `\\x1b`, `\\u202e`), never as itself. At most _MAX_VALUE characters, escapes
+    included; a longer one is cut (between escapes) and ends in "..."."""
     text = f"{value:.3f}" if isinstance(value, float) else str(value)
-    if len(text) > _MAX_VALUE:
-        text = text[: _MAX_VALUE - 3] + "..."
-    if text == "" or _UNSAFE.search(text) or any(c in text for c in " \"'=\\"):
-        escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-        return '"' + _UNSAFE.sub(_escape_char, escaped) + '"'
-    return text
+    if len(text) <= _MAX_VALUE and _PLAIN.fullmatch(text):
+        return text
+    parts: list[str] = []
+    room = _MAX_VALUE
+    for c in text[:_MAX_VALUE]:
+        escaped = _escape(c)
+        room -= len(escaped)
+        if room < 3:
+            parts.append("...")
+            break
+        parts.append(escaped)
+    return '"' + "".join(parts) + '"'
 
 
 _MAX_LINE = 4000  # under PIPE_BUF (4096): a write of one line into a pipe is all or nothing

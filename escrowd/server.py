@@ -343,6 +343,7 @@ class Holder:
                 "unsupported_version",
                 f"protocol version {hello.version} is not supported; this holder speaks "
                 f"{', '.join(map(str, protocol.SUPPORTED_VERSIONS))}",
+                versions=list(protocol.SUPPORTED_VERSIONS),
             )
             return False
         conn.owner, conn.client = hello.owner, hello.client
@@ -405,7 +406,7 @@ class Holder:
         try:
             if not is_pty_master(fd):
                 raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
-            terminal = terminal_identity(fd)
+            terminal = _terminal(fd)
             self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
             custodian_start = _start_time(conn.peer_pid)
@@ -549,6 +550,17 @@ def _open_reserve() -> int | None:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _terminal(fd: int) -> tuple[int, int] | None:
+    """Which terminal a deposit is, or the refusal if that cannot be told."""
+    try:
+        return terminal_identity(fd)
+    except OSError as exc:
+        if exc.errno in _FD_EXHAUSTION:
+            raise RegistryError("limit", _OUT_OF_FDS) from None
+        raise RegistryError("not_a_terminal", f"cannot tell which terminal the deposited fd "
+                            f"is: {exc.strerror or exc}") from None
 
 
 def _start_time(child_pid: int | None) -> float | None:

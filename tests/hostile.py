@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import msgspec
+import psutil
 from rawclient import RawClient
 
 from conftest import OWNER, HolderProcess, PtyChild, spawn_in_pty, wait_for
@@ -113,6 +114,40 @@ def wait_fds(holder: HolderProcess, sessions: int, timeout: float = 5.0) -> None
     wait_for(lambda: holder.fd_count() == want, timeout,
              f"holder fds back to {want} (baseline {holder.baseline_fds} + {sessions} "
              f"session(s)); now {holder.fd_count()}")
+
+
+# --- what an idle holder costs ---------------------------------------------------------------
+
+
+def holder_activity(holder: HolderProcess) -> tuple[float, int]:
+    """What the holder has used so far: CPU seconds (user + system, every thread), and how
+    many times a thread of it went to sleep waiting for something (voluntary context
+    switches). A holder that wakes up periodically adds one per wake-up."""
+    cpu = psutil.Process(holder.pid).cpu_times()
+    waits = 0
+    for task in os.listdir(f"/proc/{holder.pid}/task"):
+        try:
+            with open(f"/proc/{holder.pid}/task/{task}/status") as f:
+                waits += next(int(line.split()[1]) for line in f
+                              if line.startswith("voluntary_ctxt_switches:"))
+        except FileNotFoundError:
+            pass  # a thread that ended while we looked
+    return cpu.user + cpu.system, waits
+
+
+def assert_idle(holder: HolderProcess, seconds: float = 1.0, max_cpu: float = 0.03,
+                max_wakeups: int | None = 3) -> None:
+    """While nothing is asked of it for `seconds`, the holder uses at most `max_cpu` seconds
+    of CPU and (unless None) wakes up at most `max_wakeups` times (a few, for the tail of
+    whatever came just before)."""
+    cpu_before, waits_before = holder_activity(holder)
+    time.sleep(seconds)  # the behaviour under test: what the holder does with nothing to do
+    cpu_after, waits_after = holder_activity(holder)
+    cpu, wakeups = cpu_after - cpu_before, waits_after - waits_before
+    assert cpu <= max_cpu, f"the holder used {cpu:.3f}s of CPU in {seconds}s with nothing to do"
+    if max_wakeups is not None:
+        assert wakeups <= max_wakeups, (
+            f"the holder woke up {wakeups} times in {seconds}s with nothing to do")
 
 
 # --- numbered output --------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from hostile import (
 )
 from rawclient import RawClient
 
-from conftest import OWNER, HolderProcess, start_holder, wait_for
+from conftest import OWNER, HolderProcess, require_real, start_holder, wait_for
 from escrow_client import protocol
 
 P = protocol
@@ -433,6 +433,8 @@ def test_an_unsupported_version_names_the_supported_ones(h: HolderProcess, versi
         error = expect_error(raw, "unsupported_version")
         assert f"protocol version {version} is not supported" in error.message
         assert "speaks 1" in error.message
+        assert error.versions == [1], "the supported versions, machine-readable"
+        assert error.id is None
         expect_closed(raw)
 
 
@@ -491,6 +493,26 @@ def test_msg_ctrunc_is_a_bad_request_and_the_connection_goes_on(
         assert "MSG_CTRUNC" in error.message
         wait_fds(h, 2)
         expect_still_serving(raw)
+        expect_still_serving(raw)
+    assert "ctrunc" not in {s.id for s in h.client().list()}
+
+
+def test_ctrunc_in_the_body_also_closes_the_fd_that_came_with_the_header(
+    h: HolderProcess, fds: Fds
+) -> None:
+    """Incident pinned (issue 9, item 10): a frame whose fds came in two chunks (one with
+    its header, nine with its body, so the body's ancillary data was truncated) was refused
+    with only the body's fds closed: the header's fd stayed open in the holder, one more
+    with every such frame until it ran out. Every fd of a refused frame is closed, whichever
+    chunk brought it."""
+    body = P.encode(P.Deposit(id="ctrunc"))[P.HEADER.size:]
+    with RawClient(h.socket) as raw:
+        raw.hello()
+        send_with_fds(raw.sock, P.HEADER.pack(len(body)), [fds.pty_master()])
+        send_with_fds(raw.sock, body, [fds.pipe_read()] * 9)
+        error = expect_error(raw, "bad_request")
+        assert "MSG_CTRUNC" in error.message
+        wait_fds(h, 2)  # the bystander's master and this connection: nothing else
         expect_still_serving(raw)
     assert "ctrunc" not in {s.id for s in h.client().list()}
 
@@ -670,8 +692,8 @@ def test_over_the_session_limit_is_limit(make_holder: Callable[..., HolderProces
 
 
 def test_a_peer_of_another_uid_is_forbidden(holder: HolderProcess) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the test forks a client that drops to uid 65534 (CI runs as root)")
+    require_real("root", os.geteuid() == 0,
+                 "needs root: the test forks a client that drops to uid 65534 (CI runs as root)")
     bystander = Bystander(holder)
     try:
         data, closed = connect_as(NOBODY, holder)
@@ -713,8 +735,8 @@ def test_a_socket_directory_open_to_others_is_refused(socket_dir: Path, mode: in
 
 
 def test_a_socket_directory_owned_by_someone_else_is_refused(socket_dir: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to chown a directory to another uid (CI runs as root)")
+    require_real("root", os.geteuid() == 0,
+                 "needs root to chown a directory to another uid (CI runs as root)")
     directory = socket_dir / "theirs"
     directory.mkdir(mode=0o700)
     os.chown(directory, NOBODY, NOBODY)

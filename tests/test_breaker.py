@@ -14,6 +14,7 @@ import os
 import re
 import select
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -270,6 +271,25 @@ def test_refusals_and_error_answers_do_not_open_the_breaker(
     assert breaker.open_for(holder.socket) is None
     assert client.status().pid == holder.pid  # went through to the holder
     assert breaker.timeouts_paid(holder.socket) == 0
+
+
+def test_a_refused_connection_does_not_open_the_breaker(socket_dir: Path) -> None:
+    """Incident pinned (issue 9, item 9): a holder that died leaves its socket file behind,
+    bound by nobody, so connecting is refused (ECONNREFUSED), not missing (ENOENT). That is
+    an answer, not a wedge: every call is really made and gets HolderUnavailable, and the
+    breaker stays shut, so the app can autostart a holder or retry at once."""
+    path = str(socket_dir / "bound.sock")
+    bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        bound.bind(path)  # the file exists and nothing listens on it
+        client = EscrowClient(OWNER, socket_path=path, timeout=0.5)
+        for _ in range(2):
+            with pytest.raises(HolderUnavailable, match="Connection refused"):
+                client.status()
+            assert breaker.open_for(path) is None
+        assert breaker.timeouts_paid(path) == 0
+    finally:
+        bound.close()
 
 
 def test_a_spent_deadline_does_not_open_the_breaker(

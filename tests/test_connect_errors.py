@@ -21,13 +21,14 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from otheruser import other_user, squat
 
-from conftest import OWNER, HolderProcess, require_program
+from conftest import OWNER, HolderProcess, PtyChild, require_program
 from escrow_client import (
     EscrowClient,
     EscrowConfigError,
@@ -40,6 +41,7 @@ from escrow_client import (
     protocol,
     trust,
 )
+from escrow_client.fdpass import recv_frame
 
 ESCROWCTL = str(Path(sys.executable).parent / "escrowctl")
 
@@ -153,14 +155,19 @@ def test_eperm_and_every_other_errno_map_to_escrow_errors() -> None:
 
 
 class RefusingListener:
-    """A real listener that answers every connection with one `error` frame and closes at
-    once, as the holder does for a peer it refuses, before the client has sent a byte."""
+    """A real listener that answers a connection with one `error` frame and closes at
+    once, as the holder does for a peer it refuses, before the client has sent a byte.
+    With `welcome_first`, it first reads the hello and welcomes it, then answers the
+    error (about session `sid`) before any request comes, and closes."""
 
-    def __init__(self, path: str, code: str) -> None:
+    def __init__(self, path: str, code: str, sid: str | None = None,
+                 welcome_first: bool = False) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(4)
-        self.frame = protocol.encode(protocol.Error(code=code, message=f"refused: {code}"))
+        self.frame = protocol.encode(protocol.Error(code=code, message=f"refused: {code}",
+                                                    id=sid))
+        self.welcome_first = welcome_first
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -168,6 +175,11 @@ class RefusingListener:
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
+            if self.welcome_first:
+                recv_frame(conn, 1 << 20)
+                conn.sendall(protocol.encode(protocol.Welcome(
+                    version=1, holder_version="0", pid=1, drain_stop_budget=0.5,
+                    send_deadline=0.5, ack_deadline=1.0)))
             conn.sendall(self.frame)
         self.closed.set()
 
@@ -233,3 +245,53 @@ def test_a_missing_directory_is_nothing_listening(base: Path) -> None:
     """A missing directory is nothing listening (autostart may start a holder there)."""
     with pytest.raises(HolderUnavailable):
         EscrowClient(OWNER, socket_path=str(base / "none" / "escrowd.sock")).list()
+
+
+def test_a_refusal_about_another_request_is_not_taken_for_this_one(
+    socket_dir: Path, pty_children: Callable[..., PtyChild],
+) -> None:
+    """The answer waiting after a failed send names another session (a late answer to an
+    earlier request): it is not this request's answer, so the failure is reported as what
+    it is, the holder gone."""
+    path = str(socket_dir / "escrowd.sock")
+    listener = RefusingListener(path, "exists", sid="tab-A", welcome_first=True)
+    kid = pty_children(["sh", "-c", "sleep 30"])
+    try:
+        custody = EscrowClient(OWNER, socket_path=path).custody()
+        assert listener.closed.wait(10)
+        with pytest.raises(HolderUnavailable):
+            custody.deposit("tab-B", kid.master)
+        custody.close()
+    finally:
+        listener.close()
+
+
+def test_odd_inputs_are_escrow_errors_or_clean_cli_errors(base: Path) -> None:
+    """An embedded NUL in the socket path is a configuration error, not a ValueError; an
+    infinite --timeout is refused by the argument parser; `status | head -1` ends without
+    a traceback when the reader goes."""
+    with pytest.raises(EscrowConfigError):
+        EscrowClient(OWNER, socket_path=str(base / "a\0b" / "escrowd.sock")).list()
+    result = subprocess.run([ESCROWCTL, "--timeout", "inf", "list"], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    piped = subprocess.run(f"{ESCROWCTL} --socket {base}/none/escrowd.sock status | head -c1",
+                           shell=True, capture_output=True, text=True, timeout=30)
+    assert "Traceback" not in piped.stderr, piped.stderr
+
+
+def test_autostart_into_a_directory_the_holder_would_refuse_says_why_at_once(
+    base: Path,
+) -> None:
+    """Our own directory, but mode 0755: the client may talk to a holder there, but no
+    holder will start there. Autostart says so at once, with the holder's reason, instead
+    of waiting out its deadline and reporting nothing listening."""
+    directory = base / "open"
+    directory.mkdir(mode=0o755)
+    os.chmod(directory, 0o755)
+    before = autostart.spawned
+    started = time.monotonic()
+    with pytest.raises(EscrowConfigError) as refused:
+        EscrowClient(OWNER, socket_path=str(directory / "escrowd.sock"), autostart=True).list()
+    assert "mode 0755" in str(refused.value)
+    assert time.monotonic() - started < 1.0 and autostart.spawned == before

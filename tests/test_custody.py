@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
+import threading
 
 import pytest
 
@@ -144,6 +146,43 @@ def test_closing_custody_starts_draining(holder: HolderProcess, pty_children) ->
         assert got.session.state == "draining"
     finally:
         os.close(got.fd)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_closing_custody_waits_for_a_slow_holder(holder: HolderProcess, pty_children) -> None:
+    """Incident pinned (issue 9, item 12): `hand_off()` returned as soon as the app's side of
+    the custody connection was closed, before the holder had even seen it; an app that
+    then listed its sessions (or exited at once, trusting the docstring) saw them still
+    `held`. With the holder slowed on purpose (stopped), `close()` must keep waiting; once
+    the holder runs again and `close()` returns, one `list()`, with no waiting, says
+    `draining`."""
+    child: PtyChild = pty_children(["sh", "-c", "exec sleep 60"])
+    client = holder.client()
+    custody = client.custody()
+    custody.deposit("tab-1", child.master, child_pid=child.pid)
+    returned = threading.Event()
+
+    def close() -> None:
+        custody.close()
+        returned.set()
+
+    closer = threading.Thread(target=close)
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _stopped(holder.pid), 5.0, "the holder stopped")
+        closer.start()
+        # The behaviour under test: close() does not return while the holder cannot act.
+        assert not returned.wait(0.5), "close() returned before the holder saw custody end"
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    closer.join(10)
+    assert returned.is_set()
+    info = _info(client, "tab-1")
+    assert (info.state, info.custodian_pid) == ("draining", None)
 
 
 def test_release_in_custody(holder: HolderProcess, pty_children) -> None:

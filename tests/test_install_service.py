@@ -131,13 +131,41 @@ def test_install_service_writes_units_that_systemd_accepts(tmp_path: Path) -> No
 
 
 def test_unit_words_are_literal(tmp_path: Path) -> None:
-    """A path with % or $ in it is written so that systemd reads it as written (% starts a
-    specifier in a unit, $ a variable); the default socket keeps its %t."""
-    text = service_files.systemd_service(["/opt/50%/$HOME/escrowd"], "/run/a%b/escrowd.sock")
-    argv = shlex.split(read_unit(text)["Service"]["ExecStart"])
-    assert argv[:3] == ["/opt/50%%/$$HOME/escrowd", "--socket", "/run/a%%b/escrowd.sock"]
-    assert "ListenStream=/run/a%%b/escrowd.sock" in service_files.systemd_socket(
-        "/run/a%b/escrowd.sock")
+    """A path with a space, % or $ in it is written so that systemd runs exactly that path
+    (% starts a specifier in a unit, $ a variable in ExecStart='s arguments), checked by
+    systemd itself; a quote or a backslash, which systemd would read differently, is
+    refused with a clear error and nothing is written."""
+    analyze = require_program("systemd-analyze")
+    odd = tmp_path / "opt 50%" / "$HOME"
+    odd.mkdir(parents=True)
+    (odd / "escrowd").symlink_to(VENV_ESCROWD)
+    home = tmp_path / "home"
+    home.mkdir()
+    install_service(home, "--socket", "/run/a%b$c/escrowd.sock", "install-service",
+                    "--systemd", "--escrowd", str(odd / "escrowd"), "--", "--label$x")
+    unit_dir = home / ".config" / "systemd" / "user"
+    service = (unit_dir / "escrowd.service").read_text()
+    assert "ListenStream=/run/a%%b$c/escrowd.sock" in (unit_dir / "escrowd.socket").read_text()
+    argv = shlex.split(read_unit(service)["Service"]["ExecStart"])
+    assert argv == [str(odd / "escrowd").replace("%", "%%"), "--socket",
+                    "/run/a%%b$$c/escrowd.sock", "--label$$x"]
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+           "XDG_RUNTIME_DIR": str(runtime), "SYSTEMD_PAGER": "", "LANG": "C.UTF-8"}
+    shown = subprocess.run([analyze, "--user", "verify", str(unit_dir / "escrowd.service")],
+                           capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    # verify complains of an unknown option at most (there is no --label): never of a
+    # path that is not there, which is what a misread % or $ would give.
+    assert "not executable" not in shown.stderr and "No such file" not in shown.stderr, \
+        shown.stderr
+    for bad in ("/opt/it's/escrowd", "/opt/back\\slash/escrowd"):
+        result = subprocess.run([str(VENV_BIN / "escrowctl"), "install-service", "--systemd",
+                                 "--escrowd", bad], capture_output=True, text=True,
+                                timeout=30, env=clean_env(HOME=str(tmp_path / "other")))
+        assert result.returncode == 1 and "cannot carry" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+        assert not (tmp_path / "other").exists()
 
 
 def test_launchd_agent_as_installed_runs_a_holder_on_its_pinned_socket(

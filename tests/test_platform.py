@@ -74,3 +74,31 @@ def test_terminal_identity_tells_ptys_apart_and_a_pty_from_itself() -> None:
     finally:
         for fd in (m1, s1, m2, s2):
             os.close(fd)
+
+
+def test_terminal_identity_out_of_fds_is_an_error_not_a_guess() -> None:
+    """Out of fds, TIOCGPTPEER fails with EMFILE: a fallback to the pts number would give
+    the same terminal a second identity, letting it in under two ids. It raises instead
+    (the holder answers `limit`)."""
+    import resource
+
+    master, slave = os.openpty()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        lowest_free = next(n for n in range(hard) if not _is_open(n))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # no fd can open
+        with pytest.raises(OSError) as out:
+            platform.terminal_identity(master)
+        assert out.value.errno == errno.EMFILE
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.close(master)
+        os.close(slave)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from escrow_client import fdpass, protocol
-from escrow_client.platform import SEND_FLAGS
+from escrow_client.platform import RECV_FLAGS, SEND_FLAGS
 from escrowd.connection import Connection
 
 P = protocol
@@ -81,6 +81,7 @@ RESPONSES: list[P.Message] = [
     P.Error(code="custody_held", message="session com.example.term/tab-1 is still held",
             id="tab-1"),
     P.Error(code="bad_request", message="empty frame"),
+    P.Error(code="unsupported_version", message="this holder speaks 1", versions=[1]),
 ]
 
 EVERY_TYPE = {type(m) for m in REQUESTS + RESPONSES}
@@ -483,6 +484,37 @@ def test_a_broken_frame_closes_its_fds(pair: tuple[socket.socket, socket.socket]
         assert open_fds() == before
 
 
+@pytest.mark.parametrize("cut", ["after_the_header", "in_the_body"])
+def test_the_assembler_closes_the_fds_of_a_frame_cut_by_end_of_stream(
+    pair: tuple[socket.socket, socket.socket], cut: str
+) -> None:
+    """Incident pinned (issue 9, item 10): FrameAssembler promises to close the fds of a
+    frame it will not deliver, but both loops that drive it also close what it holds on any
+    exception, which hid an assembler that did not; a driver that trusts the promise (an
+    event loop of its own, a port to another language) leaked them. Fed directly: a header
+    that carries a real fd, then end of stream, is a FrameError and the fd is closed."""
+    a, b = pair
+    frame = P.encode(P.Deposit(id="tab-1"))
+    with pty() as (master, _):
+        before = open_fds()
+        send_raw(a, frame[: P.HEADER.size], [master])
+        if cut == "in_the_body":
+            send_raw(a, frame[P.HEADER.size : -2])
+        a.shutdown(socket.SHUT_WR)
+        assembler = fdpass.FrameAssembler(P.MAX_REQUEST_BYTES)
+        received: list[int] = []
+        with pytest.raises(P.FrameError, match="middle of a frame"):
+            while True:
+                data, ancdata, flags, _ = b.recvmsg(assembler.wanted, fdpass.ANCILLARY_SPACE,
+                                                    RECV_FLAGS)
+                received += _fds_in(ancdata)
+                assert assembler.feed(data, ancdata, flags) is None
+        assert len(received) == 1
+        assert_closed(received)
+        assert assembler.fds == []
+        assert open_fds() == before
+
+
 # --- framing errors ----------------------------------------------------------------------------
 
 
@@ -622,8 +654,24 @@ def test_absent_fields_take_their_defaults() -> None:
     )
     assert P.decode_request(packb({"type": "list"})) == P.List(all_owners=False)
     assert P.decode_response(packb({"type": "error", "code": "busy", "message": "m"})) == (
-        P.Error(code="busy", message="m", id=None)
+        P.Error(code="busy", message="m", id=None, versions=None)
     )
+
+
+def test_the_versions_of_an_unsupported_version_error_are_optional() -> None:
+    """`versions` came after version 1's first draft: an error without it still decodes, and
+    a decoder that predates it skips it (unknown fields are ignored)."""
+    error = P.Error(code="unsupported_version", message="speaks 1", versions=[1])
+    body = P.encode(error)[4:]
+    assert P.decode_response(body) == error
+
+    class OldError(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
+        code: str
+        message: str
+        id: str | None = None
+
+    old = msgspec.msgpack.decode(body, type=OldError)
+    assert (old.code, old.message, old.id) == ("unsupported_version", "speaks 1", None)
 
 
 def test_an_unknown_error_code_still_decodes() -> None:

@@ -1,94 +1,123 @@
-"""PROTOCOL.md's example exchange is the real encoder's output, byte for byte.
+"""PROTOCOL.md, the test vectors in protocol-vectors/ and client/protocol.py agree, byte for byte.
 
-Each example frame in PROTOCOL.md is a fenced block tagged `hex`, right after a marker line
-naming the message:
+Each frame PROTOCOL.md shows is a fenced block tagged `hex`, right after a marker line
+naming it:
 
     <!-- frame: handoff -->
     ```hex
-    00 00 01 9a                                      # frame header: body is 410 bytes
-    87                                               # fixmap, 7 entries
+    00 00 01 4d                                      # frame header: the body is 333 bytes
+    85                                               # fixmap, 5 entries
     ...
     ```
 
-Everything after `#` on a line is an annotation; the rest is hex bytes, two digits each.
-These tests check that every example here appears in the document exactly once, that its bytes
-equal `protocol.encode(...)` of the same message constructed below, that they decode back to
-that message, and that the annotations are the ones the annotator below writes (so they can
-never describe different bytes).
+Everything after `#` on a line is an annotation; the rest is hex bytes, two digits each. The
+same frame is a test vector, `protocol-vectors/<name>.json`: its bytes, and what they decode
+to. These tests check, for every example below, that:
 
-To regenerate the blocks after a protocol change:
+- the document shows it exactly once, under the section the example names, and its bytes are
+  `protocol.encode()` of the message and decode back to it; its annotations are the ones the
+  annotator here writes (so they can never describe other bytes);
+- its vector file is exactly what `--write` makes of it, its bytes are the document's, and
+  they encode from and decode to the vector's `message` (both directions);
+
+and that section 7's table lists every field of every message with the type, default and
+limit `client/protocol.py` gives it, that the states and error codes the document lists are
+the code's, and that the Linux constants of section 13 and the control-message layout of
+section 4.4 are this system's.
+
+After a protocol change, regenerate the blocks and the vectors:
 
     .venv/bin/python tests/test_protocol_doc.py --write
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import platform
 import re
+import socket
 import struct
 import sys
+import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
+from escrow_client import platform as escrow_platform
 from escrow_client import protocol
 from escrowd.config import Config
 
-DOC = Path(__file__).resolve().parent.parent / "PROTOCOL.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "PROTOCOL.md"
+VECTORS = ROOT / "protocol-vectors"
 
 HANDOFF_ID = "5f0c6a1e9b2d4c7f8a3e6b1d0c9f2a74"
 OWNER = "com.example.term"
 
-# The example exchange, in order, with fixed values so the bytes are reproducible. They are
-# what a real holder sends with its default settings (see the test of the welcome below).
-EXAMPLES: dict[str, protocol.Message] = {
-    "hello": protocol.Hello(version=1, owner=OWNER, client="exampleterm 2.4.1", timeout=5.0),
-    "welcome": protocol.Welcome(
-        version=1,
-        holder_version="0.1.0",
-        pid=4242,
-        drain_stop_budget=3.0,
-        send_deadline=1.0,
-        ack_deadline=10.0,
-        limits={
-            "max_sessions": 2048,
-            "ring_bytes": 1048576,
-            "total_ring_bytes": 536870912,
-            "max_connections": 256,
-            "max_request_bytes": 1048576,
-            "max_tombstones": 10000,
-        },
-    ),
-    "retrieve": protocol.Retrieve(id="tab-1"),
-    "handoff": protocol.Handoff(
-        handoff_id=HANDOFF_ID,
-        session=protocol.SessionInfo(
-            owner=OWNER,
-            id="tab-1",
-            label="zsh",
-            state="draining",
-            child_pid=31337,
-            child_alive=True,
-            deposited_at=1767225600.25,
-            state_since=1767225612.5,
-            buffered_bytes=6,
-            dropped_bytes=0,
-            custodian_pid=None,
-            handoff_id=HANDOFF_ID,
-            cols=120,
-            rows=40,
-            meta={},
+_TAB_1 = protocol.SessionInfo(
+    owner=OWNER, id="tab-1", label="zsh", state="draining", child_pid=31337, child_alive=True,
+    deposited_at=1767225600.25, state_since=1767225612.5, buffered_bytes=6, dropped_bytes=0,
+    custodian_pid=None, handoff_id=HANDOFF_ID, cols=120, rows=40, meta={"cwd": "/home/ann"},
+)
+
+# Every frame the document shows, in the order it shows them, with the section it is in.
+# Fixed values, so the bytes are reproducible; the welcome is what a holder with default
+# settings sends (see its test below).
+EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
+    "hello": ("14.1", protocol.Hello(version=1, owner=OWNER, client="exampleterm 2.4.1",
+                                     timeout=5.0)),
+    "welcome": ("14.1", protocol.Welcome(
+        version=1, holder_version="0.1.0", pid=4242, drain_stop_budget=3.0,
+        send_deadline=1.0, ack_deadline=10.0,
+        limits={"max_sessions": 2048, "ring_bytes": 1048576, "total_ring_bytes": 536870912,
+                "max_connections": 256, "max_request_bytes": 1048576,
+                "max_tombstones": 10000},
+    )),
+    "retrieve": ("14.1", protocol.Retrieve(id="tab-1")),
+    "handoff": ("14.1", protocol.Handoff(handoff_id=HANDOFF_ID, session=_TAB_1,
+                                         replay=b"$ ls\r\n", dropped_bytes=0)),
+    "ack": ("14.1", protocol.Ack(id="tab-1", handoff_id=HANDOFF_ID)),
+    "done": ("14.1", protocol.Done(id="tab-1")),
+    "deposit": ("14.2", protocol.Deposit(id="tab-1", label="zsh", child_pid=31337, cols=120,
+                                         rows=40, meta={"cwd": "/home/ann"})),
+    "deposited": ("14.2", protocol.Deposited(id="tab-1")),
+    "error_custody_held": ("14.4", protocol.Error(
+        code="custody_held", message="session com.example.term/tab-1 is still held by its app",
+        id="tab-1",
+    )),
+    "error_unsupported_version": ("14.4", protocol.Error(
+        code="unsupported_version",
+        message="protocol version 2 is not supported; this holder speaks 1", versions=[1],
+    )),
+    "list": ("14.5", protocol.List(all_owners=False)),
+    "sessions": ("14.5", protocol.Sessions(sessions=[
+        protocol.SessionInfo(
+            owner=OWNER, id="tab-2", label="vim", state="draining", child_pid=31338,
+            child_alive=True, deposited_at=1767225601.5, state_since=1767225612.5,
+            buffered_bytes=2, dropped_bytes=0, custodian_pid=None, handoff_id=None, cols=120,
+            rows=40, meta={"cwd": "/home/ann"},
         ),
-        replay=b"$ ls\r\n",
-        dropped_bytes=0,
-    ),
-    "ack": protocol.Ack(id="tab-1", handoff_id=HANDOFF_ID),
-    "done": protocol.Done(id="tab-1"),
+        msgspec.structs.replace(_TAB_1, state="handed_off", state_since=1767225613.0,
+                                buffered_bytes=0, meta={}),
+    ])),
 }
 
-REQUESTS = {"hello", "retrieve", "ack"}
 
-_BLOCK = re.compile(r"^<!-- frame: (?P<name>[a-z_]+) -->\n```hex\n(?P<body>.*?)^```$", re.M | re.S)
+def message(name: str) -> protocol.Message:
+    return EXAMPLES[name][1]
+
+
+def is_request(msg: protocol.Message) -> bool:
+    return isinstance(msg, typing.get_args(protocol.Request))
+
+
+_BLOCK = re.compile(r"^<!-- (?P<kind>frame|cmsg): (?P<name>[a-z0-9_-]+) -->\n```hex\n"
+                    r"(?P<body>.*?)^```$", re.M | re.S)
 
 
 # --- an annotating MessagePack reader (only what the protocol uses) -----------------------------
@@ -178,7 +207,7 @@ def _value(r: _Reader, depth: int, key: str | None) -> Iterator[Row]:
     raw, fmt, length, scalar = r.header()
     if fmt in ("fixmap", "map16", "map32"):
         assert length is not None
-        yield key_bytes + raw, f"{indent}{label}{fmt}, {length} entries"
+        yield key_bytes + raw, f"{indent}{label}{fmt}, {_count(length, 'entry', 'entries')}"
         for _ in range(length):
             k_raw, k_fmt, k_len, _ = r.header()
             assert k_fmt in ("fixstr", "str8") and k_len is not None
@@ -188,7 +217,7 @@ def _value(r: _Reader, depth: int, key: str | None) -> Iterator[Row]:
         return
     if fmt in ("fixarray", "array16", "array32"):
         assert length is not None
-        yield key_bytes + raw, f"{indent}{label}{fmt}, {length} items"
+        yield key_bytes + raw, f"{indent}{label}{fmt}, {_count(length, 'item', 'items')}"
         for _ in range(length):
             yield from _value(r, depth + 1, None)
         return
@@ -202,6 +231,10 @@ def _value(r: _Reader, depth: int, key: str | None) -> Iterator[Row]:
     shown = _show(scalar)
     kind = "" if shown == fmt else f" ({fmt})"  # nil, true and false name themselves
     yield from _rows(key_bytes + raw, f"{indent}{label}{shown}{kind}")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _str_bytes(text: str) -> bytes:
@@ -231,14 +264,76 @@ def annotate(frame: bytes) -> str:
 
 
 def block(name: str) -> str:
-    return f"<!-- frame: {name} -->\n```hex\n{annotate(protocol.encode(EXAMPLES[name]))}```"
+    return f"<!-- frame: {name} -->\n```hex\n{annotate(protocol.encode(message(name)))}```"
+
+
+# --- the test vectors -----------------------------------------------------------------------------
+
+
+def _json_ready(value: Any) -> Any:
+    """Builtins as JSON holds them: a MessagePack bin becomes {"bin": "<hex>"}."""
+    if isinstance(value, bytes):
+        return {"bin": value.hex()}
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_ready(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if list(value) == ["bin"]:
+            return bytes.fromhex(value["bin"])
+        return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def as_json(msg: protocol.Message) -> Any:
+    return _json_ready(msgspec.to_builtins(msg, builtin_types=(bytes,)))
+
+
+def vector(name: str) -> dict[str, Any]:
+    section, msg = EXAMPLES[name]
+    return {
+        "name": name,
+        "section": section,
+        "direction": "client_to_holder" if is_request(msg) else "holder_to_client",
+        "fds": 1 if isinstance(msg, protocol.FD_CARRIERS) else 0,
+        "frame": protocol.encode(msg).hex(),
+        "message": as_json(msg),
+    }
+
+
+def vector_text(name: str) -> str:
+    return json.dumps(vector(name), indent=2, ensure_ascii=False) + "\n"
+
+
+def load_vectors() -> dict[str, dict[str, Any]]:
+    """Every vector file, by name (also used by the C client's tests)."""
+    return {p.stem: json.loads(p.read_text(encoding="utf-8"))
+            for p in sorted(VECTORS.glob("*.json"))}
+
+
+def decode_any(frame: bytes, direction: str) -> protocol.Message:
+    decode = protocol.decode_request if direction == "client_to_holder" else (
+        protocol.decode_response)
+    (length,) = protocol.HEADER.unpack(frame[:4])
+    assert length == len(frame) - 4, "the header is the body's length"
+    return decode(frame[4:])
 
 
 # --- reading the document -----------------------------------------------------------------------
 
 
-def doc_blocks(text: str) -> list[tuple[str, str]]:
-    return [(m["name"], m["body"]) for m in _BLOCK.finditer(text)]
+def doc_text() -> str:
+    return DOC.read_text(encoding="utf-8")
+
+
+def doc_blocks(text: str, kind: str = "frame") -> list[tuple[str, str]]:
+    return [(m["name"], m["body"]) for m in _BLOCK.finditer(text) if m["kind"] == kind]
 
 
 def hex_bytes(body: str) -> bytes:
@@ -251,12 +346,35 @@ def hex_bytes(body: str) -> bytes:
     return bytes(out)
 
 
+def doc_section(text: str, number: str) -> str:
+    """The text of section `number` ("7", "14.1"), up to the next heading of its level."""
+    level = "##" if "." not in number else "###"
+    match = re.search(rf"^{level} {re.escape(number)}[. ].*?(?=^#{{2,{len(level)}}} |\Z)",
+                      text, re.M | re.S)
+    assert match, f"PROTOCOL.md has no section {number}"
+    return match.group(0)
+
+
+def table_rows(section: str) -> list[list[str]]:
+    """The body rows of the markdown tables in `section`, cells stripped and unescaped."""
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("|") or re.fullmatch(r"\|[-| ]+\|", line):
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        rows.append(cells)
+    return rows
+
+
 @pytest.fixture(scope="module")
 def blocks() -> dict[str, str]:
-    found = doc_blocks(DOC.read_text(encoding="utf-8"))
+    found = doc_blocks(doc_text())
     names = [name for name, _ in found]
     assert len(names) == len(set(names)), f"a frame appears twice in PROTOCOL.md: {names}"
     return dict(found)
+
+
+# --- the frames in the document -------------------------------------------------------------------
 
 
 def test_every_example_is_in_the_document_in_order(blocks: dict[str, str]) -> None:
@@ -264,41 +382,43 @@ def test_every_example_is_in_the_document_in_order(blocks: dict[str, str]) -> No
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
+def test_each_frame_is_in_its_section(name: str) -> None:
+    section = doc_section(doc_text(), EXAMPLES[name][0])
+    assert f"<!-- frame: {name} -->" in section
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_bytes_are_the_encoders(blocks: dict[str, str], name: str) -> None:
     frame = hex_bytes(blocks[name])
-    expected = protocol.encode(EXAMPLES[name])
+    expected = protocol.encode(message(name))
     assert frame.hex(" ") == expected.hex(" "), (
         f"PROTOCOL.md's {name} frame differs from protocol.encode(); regenerate it with "
         "`.venv/bin/python tests/test_protocol_doc.py --write`"
     )
-    (length,) = protocol.HEADER.unpack(frame[:4])
-    assert length == len(frame) - 4
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_bytes_decode_to_the_message(blocks: dict[str, str], name: str) -> None:
-    body = hex_bytes(blocks[name])[4:]
-    decode = protocol.decode_request if name in REQUESTS else protocol.decode_response
-    assert decode(body) == EXAMPLES[name]
+    direction = vector(name)["direction"]
+    assert decode_any(hex_bytes(blocks[name]), direction) == message(name)
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_annotations_describe_these_bytes(blocks: dict[str, str], name: str) -> None:
-    assert blocks[name] == annotate(protocol.encode(EXAMPLES[name])), (
+    assert blocks[name] == annotate(protocol.encode(message(name))), (
         f"PROTOCOL.md's {name} annotations are stale; regenerate them with "
         "`.venv/bin/python tests/test_protocol_doc.py --write`"
     )
 
 
-def test_the_example_is_a_handoff_with_one_fd() -> None:
-    assert isinstance(EXAMPLES["handoff"], protocol.FD_CARRIERS)
-    carriers = [n for n, m in EXAMPLES.items() if isinstance(m, protocol.FD_CARRIERS)]
-    assert carriers == ["handoff"]
+def test_the_fd_carriers_shown_are_deposit_and_handoff() -> None:
+    carriers = [n for n, (_, m) in EXAMPLES.items() if isinstance(m, protocol.FD_CARRIERS)]
+    assert carriers == ["handoff", "deposit"]
 
 
 def test_the_example_welcome_shows_the_default_settings() -> None:
     """The welcome in the document is what a holder with default settings sends."""
-    welcome = EXAMPLES["welcome"]
+    welcome = message("welcome")
     assert isinstance(welcome, protocol.Welcome)
     defaults = Config(socket_path="")
     assert welcome.limits == defaults.limits()
@@ -306,10 +426,29 @@ def test_the_example_welcome_shows_the_default_settings() -> None:
     assert welcome.send_deadline == defaults.send_deadline
     assert welcome.ack_deadline == defaults.ack_deadline
     assert welcome.version == protocol.VERSION
-    # The example client honours the timeout invariant against it.
-    hello = EXAMPLES["hello"]
+    # The example client honours the timeout invariant against it, with a second to spare.
+    hello = message("hello")
     assert isinstance(hello, protocol.Hello) and hello.timeout is not None
-    assert hello.timeout > welcome.drain_stop_budget + welcome.send_deadline
+    assert hello.timeout >= welcome.drain_stop_budget + welcome.send_deadline + 1.0
+
+
+def test_the_example_handoff_keeps_its_promises() -> None:
+    """Section 7: the handoff's own dropped_bytes and handoff_id equal its session's, and
+    buffered_bytes is the replay's length."""
+    handoff = message("handoff")
+    assert isinstance(handoff, protocol.Handoff)
+    assert handoff.dropped_bytes == handoff.session.dropped_bytes
+    assert handoff.handoff_id == handoff.session.handoff_id
+    assert handoff.session.buffered_bytes == len(handoff.replay)
+
+
+def test_the_example_list_holds_a_tombstone() -> None:
+    sessions = message("sessions")
+    assert isinstance(sessions, protocol.Sessions)
+    states = [s.state for s in sessions.sessions]
+    assert states[0] in protocol.LIVE_STATES and states[-1] in protocol.TOMBSTONE_STATES
+    tomb = sessions.sessions[-1]
+    assert (tomb.buffered_bytes, tomb.custodian_pid, tomb.meta) == (0, None, {})
 
 
 def test_hex_bytes_reads_the_documented_format() -> None:
@@ -318,19 +457,235 @@ def test_hex_bytes_reads_the_documented_format() -> None:
         hex_bytes("0g")
 
 
-def write_blocks() -> None:
-    text = DOC.read_text(encoding="utf-8")
+# --- the vector files ---------------------------------------------------------------------------
+
+
+def test_there_is_one_vector_file_per_frame() -> None:
+    assert sorted(load_vectors()) == sorted(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_the_vector_file_is_current(name: str) -> None:
+    path = VECTORS / f"{name}.json"
+    assert path.read_text(encoding="utf-8") == vector_text(name), (
+        f"{path.relative_to(ROOT)} is stale; regenerate it with "
+        "`.venv/bin/python tests/test_protocol_doc.py --write`"
+    )
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_the_vector_is_the_documents_frame(blocks: dict[str, str], name: str) -> None:
+    frame = bytes.fromhex(load_vectors()[name]["frame"])
+    assert frame.hex(" ") == hex_bytes(blocks[name]).hex(" ")
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_the_vector_round_trips_both_ways(name: str) -> None:
+    """The vector's bytes decode to its `message`, and its `message` encodes to its bytes."""
+    v = load_vectors()[name]
+    frame = bytes.fromhex(v["frame"])
+    decoded = decode_any(frame, v["direction"])
+    assert as_json(decoded) == v["message"]
+    union = protocol.Request if v["direction"] == "client_to_holder" else protocol.Response
+    rebuilt = msgspec.convert(_from_json(v["message"]), type=union)
+    assert protocol.encode(rebuilt) == frame
+    assert v["fds"] == (1 if isinstance(decoded, protocol.FD_CARRIERS) else 0)
+
+
+# --- section 7: every field of every message ------------------------------------------------------
+
+
+MESSAGES: dict[str, type[msgspec.Struct]] = {
+    **{str(cls.__struct_config__.tag): cls
+       for cls in typing.get_args(protocol.Request) + typing.get_args(protocol.Response)},
+    "SessionInfo": protocol.SessionInfo,
+}
+
+
+def describe(t: msgspec.inspect.Type) -> tuple[str, str]:
+    """(type, limit) of a field, written as section 7 writes them."""
+    mi = msgspec.inspect
+    if isinstance(t, mi.UnionType):
+        (inner,) = [x for x in t.types if not isinstance(x, mi.NoneType)]
+        kind, limit = describe(inner)
+        return f"{kind} | nil", limit
+    if isinstance(t, mi.IntType):
+        return "int", "—" if t.ge is None and t.le is None else f"{t.ge} .. {t.le}"
+    if isinstance(t, mi.StrType):
+        if t.pattern is not None:
+            return "str", "name"
+        return "str", "—" if t.max_length is None else f"≤ {t.max_length} code points"
+    if isinstance(t, mi.DictType):
+        kind = f"map[{describe(t.key_type)[0]}]{describe(t.value_type)[0]}"
+        if t.max_length is None:
+            return kind, "—"
+        assert isinstance(t.key_type, mi.StrType) and isinstance(t.value_type, mi.StrType)
+        return kind, (f"≤ {t.max_length} entries; keys ≤ {t.key_type.max_length}, values "
+                      f"≤ {t.value_type.max_length} code points")
+    if isinstance(t, mi.ListType):
+        return f"list[{describe(t.item_type)[0]}]", "—"
+    if isinstance(t, mi.StructType):
+        return t.cls.__name__, "—"
+    if isinstance(t, mi.LiteralType):
+        return "str", "a state (section 10.1)"
+    simple = {mi.FloatType: "float", mi.BoolType: "bool", mi.BytesType: "bytes"}
+    return simple[type(t)], "—"
+
+
+def show_default(field: msgspec.inspect.Field) -> str:
+    if field.required:
+        return "required"
+    value = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+    shown = {None: "nil", False: "false", True: "true"}
+    if isinstance(value, bool) or value is None:
+        return f"`{shown[value]}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value!r}`"
+
+
+def field_table() -> list[tuple[str, str, str, str, str]]:
+    """(message, field, type, default, limit) for every row of section 7's table."""
+    rows = []
+    message_name = ""
+    for cells in table_rows(doc_section(doc_text(), "7")):
+        if cells[0] == "message":
+            continue
+        if cells[0]:
+            match = re.match(r"`(\w+)`", cells[0])
+            assert match, cells
+            message_name = match.group(1)
+        rows.append((message_name, cells[1].strip("`"), cells[2], cells[3], cells[4]))
+    return rows
+
+
+def expected_field_table() -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for name, cls in MESSAGES.items():
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        if not info.fields:
+            rows.append((name, "", "", "", ""))
+        for f in info.fields:
+            kind, limit = describe(f.type)
+            rows.append((name, f.name, kind, show_default(f), limit))
+    return rows
+
+
+def test_the_field_table_is_the_code() -> None:
+    """Every field of every message, in encoding order, with its type, default and limit as
+    client/protocol.py defines them: the table can never promise what the code does not do."""
+    documented = field_table()
+    expected = expected_field_table()
+    assert sorted({row[0] for row in documented}) == sorted(MESSAGES)
+    for doc_row, code_row in zip(documented, expected, strict=False):
+        assert doc_row == code_row, f"PROTOCOL.md section 7: {doc_row} should be {code_row}"
+    assert len(documented) == len(expected)
+
+
+def test_the_fd_carriers_are_marked_in_the_field_table() -> None:
+    marked = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \(\+1 fd\)", doc_text(), re.M)}
+    assert marked == {str(cls.__struct_config__.tag) for cls in protocol.FD_CARRIERS}
+
+
+def test_the_states_are_the_codes() -> None:
+    states = [cells[0].strip("`") for cells in table_rows(doc_section(doc_text(), "10.1"))
+              if cells[0] != "state"]
+    assert sorted(states) == sorted(typing.get_args(protocol.SessionState))
+
+
+def test_the_error_codes_are_the_codes() -> None:
+    codes = [cells[0].strip("`") for cells in table_rows(doc_section(doc_text(), "9"))
+             if cells[0] != "code"]
+    assert codes == list(typing.get_args(protocol.ErrorCode))
+
+
+def test_the_name_rule_is_the_codes() -> None:
+    assert f"`{protocol.NAME_CHARS[:-7]}`, 1 to 128 characters" in doc_text()
+    assert protocol.NAME_CHARS.endswith("{1,128}")
+
+
+def test_the_request_limit_is_the_codes() -> None:
+    assert protocol.MAX_REQUEST_BYTES == 1_048_576
+    assert "at most **1 MiB** (1 048 576 bytes" in doc_section(doc_text(), "2")
+
+
+# --- section 13 and 4.4: this system's constants ------------------------------------------------
+
+_LINUX_64 = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
+
+
+def linux_constants() -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for cells in table_rows(doc_section(doc_text(), "13")):
+        if cells[0] == "name":
+            continue
+        out[cells[0].strip("`")] = None if cells[1] == "—" else int(cells[1], 0)
+    return out
+
+
+@pytest.mark.skipif(not _LINUX_64, reason="the table's Linux column is for x86_64 and aarch64")
+def test_the_linux_constants_are_this_systems() -> None:
+    import errno
+
+    actual: dict[str, int | None] = {
+        "AF_UNIX": socket.AF_UNIX, "SOCK_STREAM": socket.SOCK_STREAM,
+        "SOCK_CLOEXEC": socket.SOCK_CLOEXEC, "SOCK_NONBLOCK": socket.SOCK_NONBLOCK,
+        "SOL_SOCKET": socket.SOL_SOCKET, "SCM_RIGHTS": socket.SCM_RIGHTS,
+        "MSG_NOSIGNAL": socket.MSG_NOSIGNAL, "SO_NOSIGPIPE": None,
+        "MSG_CMSG_CLOEXEC": socket.MSG_CMSG_CLOEXEC, "MSG_CTRUNC": socket.MSG_CTRUNC,
+        "SO_PEERCRED": socket.SO_PEERCRED, "LOCAL_PEERCRED": None, "LOCAL_PEERPID": None,
+        "TIOCGPTN": escrow_platform._TIOCGPTN, "sun_path": 108,
+        "FD_CLOEXEC": fcntl.FD_CLOEXEC, "F_SETFD": fcntl.F_SETFD, "F_SETFL": fcntl.F_SETFL,
+        "O_NONBLOCK": os.O_NONBLOCK, "ENOENT": errno.ENOENT, "EIO": errno.EIO,
+        "EAGAIN": errno.EAGAIN, "EPIPE": errno.EPIPE, "ECONNRESET": errno.ECONNRESET,
+        "ECONNREFUSED": errno.ECONNREFUSED,
+    }
+    assert linux_constants() == actual
+
+
+@pytest.mark.skipif(not _LINUX_64, reason="the layout shown is 64-bit Linux's")
+def test_the_linux_control_message_layout_is_this_systems() -> None:
+    """What CMSG_LEN, CMSG_SPACE and CMSG_DATA compute here, against section 4.4's listing
+    (the C client's tests check it against the C macros too)."""
+    shown = hex_bytes(dict(doc_blocks(doc_text(), "cmsg"))["linux-64"])
+    assert (socket.CMSG_LEN(4), socket.CMSG_SPACE(4), socket.CMSG_SPACE(32)) == (20, 24, 48)
+    header = struct.pack("=QiI", socket.CMSG_LEN(4), socket.SOL_SOCKET, socket.SCM_RIGHTS)
+    expected = header + struct.pack("=i", 7)
+    assert shown == expected + bytes(socket.CMSG_SPACE(4) - len(expected))
+
+
+def test_the_macos_control_message_follows_its_formulas() -> None:
+    shown = hex_bytes(dict(doc_blocks(doc_text(), "cmsg"))["macos"])
+    assert shown == struct.pack("<IiIi", 16, 0xFFFF, 1, 7)
+
+
+# --- regenerating ---------------------------------------------------------------------------------
+
+
+def write() -> None:
+    text = doc_text()
     for name in EXAMPLES:
         pattern = re.compile(rf"^<!-- frame: {name} -->\n```hex\n.*?^```$", re.M | re.S)
         text, count = pattern.subn(lambda _m, n=name: block(n), text)  # type: ignore[misc]
         if count != 1:
             raise SystemExit(f"PROTOCOL.md has {count} blocks for {name}, not 1")
     DOC.write_text(text, encoding="utf-8")
+    VECTORS.mkdir(exist_ok=True)
+    for stale in set(VECTORS.glob("*.json")) - {VECTORS / f"{n}.json" for n in EXAMPLES}:
+        stale.unlink()
+    for name in EXAMPLES:
+        (VECTORS / f"{name}.json").write_text(vector_text(name), encoding="utf-8")
+
+
+def _main() -> Iterator[str]:
+    for name in EXAMPLES:
+        yield block(name)
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        write_blocks()
+        write()
     else:
-        for example in EXAMPLES:
-            print(block(example), end="\n\n")
+        for shown in _main():
+            print(shown, end="\n\n")

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import escrowd
-from conftest import HolderProcess, PtyChild
+from conftest import OWNER, HolderProcess, PtyChild
 from escrow_client import (
     EscrowClient,
     EscrowConfigError,
@@ -22,6 +22,8 @@ from escrow_client import (
     SessionUnknown,
     protocol,
 )
+from escrowd.registry import Registry
+from escrowd.session import Session
 
 MiB = 1 << 20
 
@@ -141,6 +143,37 @@ def test_deposit_may_reuse_a_tombstone_id(holder: HolderProcess, pty_children) -
         assert again.handoff_id != got.handoff_id
     finally:
         os.close(again.fd)
+
+
+async def test_tombstones_are_evicted_oldest_first() -> None:
+    """Incident pinned (issue 9, item 8): past the tombstone limit the holder forgot the
+    session that had *just* ended, so an app asking about it a moment later was told
+    `unknown` (never seen) instead of `released`, while tombstones of long ago stayed.
+    Eviction goes oldest first: release a, b, c under a limit of two, and a is forgotten
+    (`unknown`: no tombstone, not listed) while b and c still answer `released`.
+
+    The holder has no flag for the limit, so the registry is driven in-process, with real
+    sessions on real PTYs."""
+    registry = Registry(max_sessions=8, ring_bytes=MiB, total_ring_bytes=8 * MiB,
+                        max_tombstones=2)
+    ptys = [os.openpty() for _ in range(3)]
+    try:
+        for sid, (master, _) in zip("abc", ptys, strict=True):
+            session = Session(OWNER, protocol.Deposit(id=sid), os.dup(master),
+                              registry.new_ring(), custodian=None, custodian_pid=None,
+                              child_start_time=None)
+            registry.add(session)
+            registry.bury(session, "released", "release from the test")
+        assert registry.tombstone(OWNER, "a") is None
+        for sid in "bc":
+            tomb = registry.tombstone(OWNER, sid)
+            assert tomb is not None and tomb.state == "released", (sid, tomb)
+        assert sorted((s.id, s.state) for s in registry.sessions(OWNER)) == [
+            ("b", "released"), ("c", "released")]
+    finally:
+        for master, slave in ptys:
+            os.close(master)
+            os.close(slave)
 
 
 def test_client_timeout_must_exceed_holder_budget(holder: HolderProcess, pty_children) -> None:

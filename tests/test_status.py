@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import HolderProcess, start_holder, wait_for
-from escrow_client import HolderStatus, paths
+from escrow_client import HolderStatus, liveness, paths
 from escrow_client.liveness import process_start_time
 
 RUNNING, DEAD, NOT_RUNNING, INDETERMINATE, UNRESPONSIVE = 0, 1, 3, 4, 150
@@ -68,10 +68,9 @@ def stopped(holder: HolderProcess) -> Iterator[None]:
         os.kill(holder.pid, signal.SIGCONT)
 
 
-@contextmanager
-def lock_taken_by_helper(sock: str) -> Iterator[int]:
-    """A separate live process takes `<socket>.lock` the way escrowd does (fcntl.lockf),
-    and holds it for the block. Yields its pid."""
+def take_lock_in_helper(sock: str) -> subprocess.Popen[str]:
+    """Start a separate live process that takes `<socket>.lock` the way escrowd does
+    (fcntl.lockf) and holds it until `drop_lock(helper)`; return once it holds it."""
     code = (
         "import fcntl, os, sys\n"
         f"fd = os.open({paths.lock_path(sock)!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
@@ -79,15 +78,34 @@ def lock_taken_by_helper(sock: str) -> Iterator[int]:
         "print('locked', flush=True)\n"
         "sys.stdin.read()\n"
     )
-    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True) as helper:
-        try:
-            assert helper.stdout is not None and helper.stdout.readline() == "locked\n"
-            yield helper.pid
-        finally:
-            assert helper.stdin is not None
-            helper.stdin.close()  # its read returns: it exits, and the lock goes with it
-            helper.wait(10)
+    helper = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert helper.stdout is not None and helper.stdout.readline() == "locked\n"
+    except BaseException:
+        drop_lock(helper)
+        raise
+    return helper
+
+
+def drop_lock(helper: subprocess.Popen[str]) -> None:
+    """The helper exits (its read of stdin returns), and the lock goes with it."""
+    if helper.returncode is not None:
+        return
+    assert helper.stdin is not None and helper.stdout is not None
+    helper.stdin.close()
+    helper.wait(10)
+    helper.stdout.close()
+
+
+@contextmanager
+def lock_taken_by_helper(sock: str) -> Iterator[int]:
+    """A separate live process holds `<socket>.lock` for the block. Yields its pid."""
+    helper = take_lock_in_helper(sock)
+    try:
+        yield helper.pid
+    finally:
+        drop_lock(helper)
 
 
 def dead_pid() -> int:
@@ -340,6 +358,56 @@ def test_indeterminate_when_a_socket_without_the_lock_does_not_answer(socket_dir
     assert report["evidence"]["lock"] == "missing"
 
 
+# --- what changes while status looks -------------------------------------------------------
+
+
+CHANGES = ["pidfile_appears", "socket_file_appears", "lock_taken", "lock_dropped"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_while_status_looks_is_never_dead_or_not_running(
+    socket_dir: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Incident pinned (issue 9, item 11): a monitor ran `escrowctl status` while a holder
+    was starting (or stopping) and was told `dead`, or `not_running`, from evidence it had
+    seen only once: a pidfile or socket file that appeared after it first looked, a lock
+    free on one side of the socket probe only. Positive proof needs the same evidence on
+    both sides of the probe; a change in between is `indeterminate`.
+
+    The change is made by the socket probe itself (the real probe, then a real file or a
+    real lock taken or dropped by another process), so it falls exactly between the two
+    looks."""
+    sock = str(socket_dir / "escrowd.sock")
+    helpers: list[subprocess.Popen[str]] = []
+    if change == "lock_dropped":
+        helpers.append(take_lock_in_helper(sock))
+    real_probe = liveness.probe_socket
+
+    def probe_then_change(*args: Any, **kwargs: Any) -> liveness.SocketProbe:
+        probe = real_probe(*args, **kwargs)
+        assert probe.answer == liveness.MISSING
+        if change == "pidfile_appears":
+            paths.write_pidfile(sock, dead_pid(), 12345.0)
+        elif change == "socket_file_appears":
+            bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bound.bind(sock)  # a socket file that refuses: as a holder dead or starting
+            bound.close()
+        elif change == "lock_taken":
+            helpers.append(take_lock_in_helper(sock))
+        else:
+            drop_lock(helpers[0])
+        return probe
+
+    monkeypatch.setattr(liveness, "probe_socket", probe_then_change)
+    try:
+        verdict = liveness.holder_verdict(sock, timeout=1.0)
+    finally:
+        for helper in helpers:
+            drop_lock(helper)
+    assert verdict.state == "indeterminate", (verdict.state, verdict.reason)
+    assert verdict.evidence["leftovers"] == []
+
+
 # --- clean start: two holders at once -----------------------------------------------------
 
 
@@ -375,3 +443,32 @@ def test_two_holders_started_at_once_end_with_one(socket_dir: Path, round_: int)
             if p.poll() is None:
                 p.terminate()
             p.wait(10)
+
+
+def test_status_never_hangs_on_a_fifo_or_follows_a_symlink_left_as_a_pidfile(
+    socket_dir: Path,
+) -> None:
+    """A FIFO (or a symlink to one) where the pidfile or the lock file should be: status
+    reads neither (O_NONBLOCK, O_NOFOLLOW, regular files only) and answers at once."""
+    d = socket_dir / "odd"
+    d.mkdir(mode=0o700)
+    sock = str(d / "escrowd.sock")
+    os.mkfifo(sock + ".pid")
+    os.mkfifo(d / "fifo")
+    os.symlink(d / "fifo", sock + ".lock")
+    started = time.monotonic()
+    verdict = liveness.holder_verdict(sock, timeout=1.0)
+    assert time.monotonic() - started < 5.0
+    assert verdict.state == "indeterminate", verdict
+    assert verdict.evidence["pidfile"]["pid"] is None
+
+
+def test_a_missing_socket_directory_is_not_running_and_nothing_is_touched(
+    socket_dir: Path,
+) -> None:
+    """No directory: nothing can be there. Status says `not_running` without looking for
+    files in a directory that someone else could create meanwhile."""
+    sock = str(socket_dir / "absent" / "escrowd.sock")
+    verdict = liveness.holder_verdict(sock, timeout=1.0)
+    assert verdict.state == "not_running" and "nothing exists there" in verdict.reason
+    assert not (socket_dir / "absent").exists()

@@ -1,0 +1,446 @@
+/* escrow-c: a small command-line driver for the C client, run by the test suite.
+ *
+ * It includes escrow.c instead of linking it, so that `encode` and `decode` can reach the
+ * codec to check it against the protocol's test vectors; every other command goes through
+ * escrow.h exactly as an app would.
+ *
+ * Output: JSON on stdout for what was asked (the terminal's raw bytes for `app` and
+ * `retrieve`), and JSON lines on stderr: an error ({"type": "error", "code": ...}, with the
+ * escrow_code as exit status), or the facts of a retrieve. Exit status 2 is a usage error, 98
+ * an fd left open at exit (a leak: printed as {"leaked_fds": [...]}), 99 the terminal failing
+ * to give the output asked for.
+ */
+#include "escrow.c"
+
+#include <stdio.h>
+
+static const char usage[] =
+    "usage: escrow-c [--socket PATH] [--owner OWNER] [--timeout SECONDS] COMMAND [ARG...]\n"
+    "  welcome | status | list [--all] | release ID\n"
+    "  hand-off ID FD [PID]      deposit the inherited FD and end custody at once\n"
+    "  app ID FD PID UNTIL       deposit FD under custody, copy its output to stdout until\n"
+    "                            UNTIL has appeared, then end custody\n"
+    "  retrieve ID [LINES]       retrieve; write the replay to stdout, then live output\n"
+    "                            until LINES more newlines (default 0)\n"
+    "  cmsg                      the control message that carries fd 7, and the constants\n"
+    "  encode TYPE ARG...        a request frame from the C encoder, in hex\n"
+    "  decode HEX                a holder's frame decoded by the C decoder, as JSON\n";
+
+/* ---- JSON out ---------------------------------------------------------------------------- */
+
+static void json_str(FILE *out, const char *s) {
+    fputc('"', out);
+    for (; *s != 0; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(out, "\\%c", c);
+        else if (c < 0x20) fprintf(out, "\\u%04x", c);
+        else fputc(c, out);
+    }
+    fputc('"', out);
+}
+
+static void json_float(FILE *out, double d) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%.17g", d);
+    fputs(buf, out);
+    if (strpbrk(buf, ".eEni") == NULL) fputs(".0", out); /* a float stays a float */
+}
+
+static void json_opt_int(FILE *out, int64_t v) {
+    if (v < 0) fputs("null", out);
+    else fprintf(out, "%lld", (long long)v);
+}
+
+static void json_ints(FILE *out, const escrow_ints *m) {
+    fputc('{', out);
+    for (size_t i = 0; i < m->count; i++) {
+        if (i > 0) fputs(", ", out);
+        json_str(out, m->entries[i].key);
+        fprintf(out, ": %lld", (long long)m->entries[i].value);
+    }
+    fputc('}', out);
+}
+
+static void json_hex(FILE *out, const unsigned char *b, size_t n) {
+    fputs("{\"bin\": \"", out);
+    for (size_t i = 0; i < n; i++) fprintf(out, "%02x", b[i]);
+    fputs("\"}", out);
+}
+
+static void json_session(FILE *out, const escrow_session *s) {
+    fputs("{\"owner\": ", out), json_str(out, s->owner);
+    fputs(", \"id\": ", out), json_str(out, s->id);
+    fputs(", \"label\": ", out), json_str(out, s->label);
+    fputs(", \"state\": ", out), json_str(out, s->state);
+    fputs(", \"child_pid\": ", out), json_opt_int(out, s->child_pid);
+    fprintf(out, ", \"child_alive\": %s",
+            s->child_alive < 0 ? "null" : s->child_alive ? "true" : "false");
+    fputs(", \"deposited_at\": ", out), json_float(out, s->deposited_at);
+    fputs(", \"state_since\": ", out), json_float(out, s->state_since);
+    fprintf(out, ", \"buffered_bytes\": %lld, \"dropped_bytes\": %lld",
+            (long long)s->buffered_bytes, (long long)s->dropped_bytes);
+    fputs(", \"custodian_pid\": ", out), json_opt_int(out, s->custodian_pid);
+    fputs(", \"handoff_id\": ", out);
+    if (s->handoff_id[0] != 0) json_str(out, s->handoff_id);
+    else fputs("null", out);
+    fprintf(out, ", \"cols\": %lld, \"rows\": %lld, \"meta\": {", (long long)s->cols,
+            (long long)s->rows);
+    for (size_t i = 0; i < s->meta_count; i++) {
+        if (i > 0) fputs(", ", out);
+        json_str(out, s->meta[i].key), fputs(": ", out), json_str(out, s->meta[i].value);
+    }
+    fputs("}}", out);
+}
+
+static void json_welcome(FILE *out, const escrow_welcome *w) {
+    fprintf(out, "{\"type\": \"welcome\", \"version\": %lld, \"holder_version\": ",
+            (long long)w->version);
+    json_str(out, w->holder_version);
+    fprintf(out, ", \"pid\": %lld, \"drain_stop_budget\": ", (long long)w->pid);
+    json_float(out, w->drain_stop_budget);
+    fputs(", \"send_deadline\": ", out), json_float(out, w->send_deadline);
+    fputs(", \"ack_deadline\": ", out), json_float(out, w->ack_deadline);
+    fputs(", \"limits\": ", out), json_ints(out, &w->limits);
+    fputs("}\n", out);
+}
+
+static void json_status(FILE *out, const escrow_status *s) {
+    fprintf(out, "{\"type\": \"holder_status\", \"pid\": %lld, \"version\": ", (long long)s->pid);
+    json_str(out, s->version);
+    fputs(", \"started_at\": ", out), json_float(out, s->started_at);
+    fputs(", \"socket\": ", out), json_str(out, s->socket);
+    fputs(", \"sessions_by_state\": ", out), json_ints(out, &s->sessions_by_state);
+    fputs(", \"counters\": ", out), json_ints(out, &s->counters);
+    fputs(", \"limits\": ", out), json_ints(out, &s->limits);
+    fputs(", \"open_fds\": ", out), json_opt_int(out, s->open_fds);
+    fputs(", \"rss_bytes\": ", out), json_opt_int(out, s->rss_bytes);
+    fputs("}\n", out);
+}
+
+static void json_sessions(FILE *out, const escrow_session *s, size_t n) {
+    fputs("{\"type\": \"sessions\", \"sessions\": [", out);
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0) fputs(", ", out);
+        json_session(out, &s[i]);
+    }
+    fputs("]}\n", out);
+}
+
+static void json_error(FILE *out, const escrow_error *e) {
+    fputs("{\"type\": \"error\", \"code\": ", out), json_str(out, e->code_name);
+    fputs(", \"message\": ", out), json_str(out, e->message);
+    fputs(", \"id\": ", out);
+    if (e->id[0] != 0) json_str(out, e->id);
+    else fputs("null", out);
+    fputs(", \"versions\": ", out);
+    if (e->n_versions == 0) fputs("null", out);
+    for (size_t i = 0; i < e->n_versions; i++)
+        fprintf(out, "%s%lld%s", i == 0 ? "[" : ", ", (long long)e->versions[i],
+                i + 1 == e->n_versions ? "]" : "");
+    fprintf(out, ", \"escrow_code\": %d, \"sys_errno\": %d}\n", (int)e->code, e->sys_errno);
+}
+
+static int failed(escrow_code rc, const escrow_error *e) {
+    json_error(stderr, e);
+    return (int)rc;
+}
+
+/* ---- the terminal's bytes ------------------------------------------------------------------ */
+
+/* Copy what `fd` says to stdout until `stop(seen so far)` holds; 10 s at most. */
+static int copy_until(int fd, int (*stop)(const char *, size_t, const void *), const void *arg,
+                      char **seen, size_t *len) {
+    double deadline = now() + 10.0;
+    while (!stop(*seen, *len, arg)) {
+        struct pollfd p = {.fd = fd, .events = POLLIN, .revents = 0};
+        int ms = ms_left(deadline);
+        if (ms == 0 || poll(&p, 1, ms) < 0) return -1;
+        if (p.revents == 0) continue;
+        char buf[4096];
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n <= 0) return -1; /* EIO: the terminal hung up */
+        char *grown = realloc(*seen, *len + (size_t)n + 1);
+        if (grown == NULL) return -1;
+        *seen = grown;
+        memcpy(*seen + *len, buf, (size_t)n);
+        *len += (size_t)n;
+        (*seen)[*len] = 0;
+        fwrite(buf, 1, (size_t)n, stdout);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+static int has_text(const char *seen, size_t len, const void *text) {
+    size_t t = strlen(text);
+    for (size_t i = 0; i + t <= len; i++)
+        if (memcmp(seen + i, text, t) == 0) return 1;
+    return 0;
+}
+
+static int has_newlines(const char *seen, size_t len, const void *count) {
+    size_t lines = 0;
+    for (size_t i = 0; i < len; i++) lines += seen[i] == '\n';
+    return lines >= *(const size_t *)count;
+}
+
+/* ---- commands ------------------------------------------------------------------------------- */
+
+static escrow_deposit_opts opts_for(int argc, char **argv, int pid_at) {
+    escrow_deposit_opts o = {"sh", 0, 80, 24, NULL, 0};
+    if (argc > pid_at) o.child_pid = atoll(argv[pid_at]);
+    return o;
+}
+
+static int cmd_app(const escrow_client *c, char **argv) {
+    escrow_custody cu;
+    escrow_error err;
+    escrow_deposit_opts opts = opts_for(4, argv, 2);
+    int fd = atoi(argv[1]);
+    escrow_code rc = escrow_custody_open(c, &cu, &err);
+    if (rc == ESCROW_OK) rc = escrow_deposit(&cu, argv[0], fd, &opts, &err);
+    if (rc != ESCROW_OK) {
+        escrow_custody_close(&cu);
+        return failed(rc, &err);
+    }
+    fprintf(stderr, "{\"deposited\": "), json_str(stderr, argv[0]), fputs("}\n", stderr);
+    char *seen = NULL;
+    size_t len = 0;
+    int r = copy_until(fd, has_text, argv[3], &seen, &len); /* the app is the reader */
+    free(seen);
+    escrow_custody_close(&cu); /* custody ends: the holder drains from here on */
+    close(fd);
+    fprintf(stderr, "{\"custody_ended\": "), json_str(stderr, argv[0]), fputs("}\n", stderr);
+    return r == 0 ? 0 : 99;
+}
+
+static int cmd_retrieve(const escrow_client *c, const char *id, size_t lines) {
+    escrow_retrieved got;
+    escrow_error err;
+    escrow_code rc = escrow_retrieve(c, id, &got, &err);
+    if (rc != ESCROW_OK) return failed(rc, &err);
+    fprintf(stderr, "{\"confirmed\": %s, \"handoff_id\": ", got.confirmed ? "true" : "false");
+    json_str(stderr, got.handoff_id);
+    fprintf(stderr, ", \"dropped_bytes\": %lld, \"replay_bytes\": %zu, \"session\": ",
+            (long long)got.dropped_bytes, got.replay_len);
+    json_session(stderr, &got.session);
+    fputs("}\n", stderr);
+    fwrite(got.replay, 1, got.replay_len, stdout); /* the replay first, then the live fd */
+    fflush(stdout);
+    char *seen = NULL;
+    size_t len = 0;
+    int r = lines > 0 ? copy_until(got.fd, has_newlines, &lines, &seen, &len) : 0;
+    free(seen);
+    close(got.fd);
+    escrow_retrieved_free(&got);
+    return r == 0 ? 0 : 99;
+}
+
+static int cmd_cmsg(void) {
+    union {
+        struct cmsghdr align;
+        unsigned char space[CMSG_SPACE(sizeof(int))];
+    } control;
+    struct msghdr msg;
+    int fd = 7;
+    memset(&control, 0, sizeof control);
+    memset(&msg, 0, sizeof msg);
+    msg.msg_control = control.space;
+    msg.msg_controllen = sizeof control.space;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    printf("{\"bytes\": \"");
+    for (size_t i = 0; i < sizeof control.space; i++) printf("%02x", control.space[i]);
+    printf("\", \"header\": %zu, \"data_offset\": %zu, \"cmsg_len_4\": %zu, "
+           "\"cmsg_space_4\": %zu, \"cmsg_space_32\": %zu, \"sol_socket\": %d, "
+           "\"scm_rights\": %d, \"msg_ctrunc\": %d, \"msg_nosignal\": %d, "
+           "\"msg_cmsg_cloexec\": %d, \"sun_path\": %zu}\n",
+           sizeof(struct cmsghdr), (size_t)(CMSG_DATA(c) - control.space),
+           (size_t)CMSG_LEN(sizeof(int)), (size_t)CMSG_SPACE(sizeof(int)),
+           (size_t)CMSG_SPACE(8 * sizeof(int)), SOL_SOCKET, SCM_RIGHTS, MSG_CTRUNC,
+           SEND_FLAGS, RECV_FLAGS, sizeof(((struct sockaddr_un *)0)->sun_path));
+    return 0;
+}
+
+static int cmd_encode(int argc, char **argv) {
+    mp_out o = {0};
+    escrow_error err;
+    escrow_code rc = ESCROW_CONFIG;
+    const char *type = argc > 0 ? argv[0] : "";
+    if (strcmp(type, "hello") == 0 && argc == 4) {
+        escrow_client c;
+        memset(&c, 0, sizeof c);
+        snprintf(c.owner, sizeof c.owner, "%s", argv[1]);
+        snprintf(c.client_name, sizeof c.client_name, "%s", argv[2]);
+        c.timeout = atof(argv[3]);
+        rc = encode_hello(&o, &c, &err);
+    } else if (strcmp(type, "deposit") == 0 && argc >= 6) {
+        escrow_meta meta[ESCROW_META_MAX];
+        escrow_deposit_opts opts = {argv[2], atoll(argv[3]), atoll(argv[4]), atoll(argv[5]),
+                                    meta, 0};
+        for (int i = 6; i < argc && opts.meta_count < ESCROW_META_MAX; i++) {
+            char *eq = strchr(argv[i], '=');
+            if (eq == NULL) continue;
+            *eq = 0;
+            meta[opts.meta_count++] = (escrow_meta){argv[i], eq + 1};
+        }
+        rc = encode_deposit(&o, argv[1], &opts, &err);
+    } else if ((strcmp(type, "retrieve") == 0 || strcmp(type, "release") == 0) && argc == 2) {
+        rc = encode_id(&o, type, argv[1], NULL, &err);
+    } else if (strcmp(type, "ack") == 0 && argc == 3) {
+        rc = encode_id(&o, type, argv[1], argv[2], &err);
+    } else if (strcmp(type, "list") == 0 && argc == 2) {
+        rc = encode_list(&o, strcmp(argv[1], "true") == 0, &err);
+    } else if (strcmp(type, "status") == 0 && argc == 1) {
+        begin(&o, "status", 0);
+        rc = finish(&o, &err);
+    } else {
+        fputs(usage, stderr);
+        return 2;
+    }
+    if (rc == ESCROW_OK) {
+        for (size_t i = 0; i < o.len; i++) printf("%02x", o.data[i]);
+        printf("\n");
+    }
+    free(o.data);
+    return (int)rc;
+}
+
+static int cmd_decode(const char *hex) {
+    size_t n = strlen(hex) / 2;
+    frame f;
+    int bad = 0;
+    memset(&f, 0, sizeof f);
+    unsigned char *raw = malloc(n + 1);
+    if (raw == NULL) return 99;
+    for (size_t i = 0; i < n; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1) v = 0, bad = 1;
+        raw[i] = (unsigned char)v;
+    }
+    if (bad || n < 4 || ((size_t)raw[0] << 24 | (size_t)raw[1] << 16 | (size_t)raw[2] << 8 |
+                         raw[3]) != n - 4) {
+        free(raw);
+        fputs("decode: not a whole frame\n", stderr);
+        return 2;
+    }
+    f.body = raw + 4;
+    f.len = n - 4;
+    int r = frame_type(f.body, f.len, f.type);
+    if (r == 0 && strcmp(f.type, "welcome") == 0) {
+        escrow_welcome w;
+        if ((r = decode_welcome(&f, &w)) == 0) json_welcome(stdout, &w);
+    } else if (r == 0 && (strcmp(f.type, "deposited") == 0 || strcmp(f.type, "released") == 0 ||
+                          strcmp(f.type, "done") == 0)) {
+        char id[ESCROW_NAME_MAX + 1];
+        if ((r = decode_id(&f, id)) == 0)
+            printf("{\"type\": \"%s\", \"id\": ", f.type), json_str(stdout, id), printf("}\n");
+    } else if (r == 0 && strcmp(f.type, "handoff") == 0) {
+        escrow_retrieved got;
+        memset(&got, 0, sizeof got);
+        if ((r = decode_handoff(&f, &got)) == 0) {
+            printf("{\"type\": \"handoff\", \"handoff_id\": "), json_str(stdout, got.handoff_id);
+            printf(", \"session\": "), json_session(stdout, &got.session);
+            printf(", \"replay\": "), json_hex(stdout, got.replay, got.replay_len);
+            printf(", \"dropped_bytes\": %lld}\n", (long long)got.dropped_bytes);
+        }
+        escrow_retrieved_free(&got);
+    } else if (r == 0 && strcmp(f.type, "sessions") == 0) {
+        escrow_session *s = NULL;
+        size_t count = 0;
+        if ((r = decode_sessions(&f, &s, &count)) == 0) json_sessions(stdout, s, count);
+        escrow_sessions_free(s, count);
+    } else if (r == 0 && strcmp(f.type, "holder_status") == 0) {
+        escrow_status s;
+        if ((r = decode_status(&f, &s)) == 0) json_status(stdout, &s);
+    } else if (r == 0 && strcmp(f.type, "error") == 0) {
+        escrow_error e;
+        memset(&e, 0, sizeof e);
+        if ((r = decode_error_fields(&f, &e)) == 0) json_error(stdout, &e);
+    } else {
+        r = -1;
+    }
+    free(raw);
+    if (r != 0) fprintf(stderr, "decode: not a valid %s\n", f.type[0] ? f.type : "message");
+    return r == 0 ? 0 : (int)ESCROW_PROTOCOL;
+}
+
+static int command(int argc, char **argv) {
+    const char *socket_path = NULL, *owner = "com.example.term";
+    double timeout = 0;
+    int i = 1;
+    for (; i + 1 < argc && strncmp(argv[i], "--", 2) == 0; i += 2) {
+        if (strcmp(argv[i], "--socket") == 0) socket_path = argv[i + 1];
+        else if (strcmp(argv[i], "--owner") == 0) owner = argv[i + 1];
+        else if (strcmp(argv[i], "--timeout") == 0) timeout = atof(argv[i + 1]);
+        else break;
+    }
+    if (i >= argc) {
+        fputs(usage, stderr);
+        return 2;
+    }
+    const char *cmd = argv[i];
+    char **args = argv + i + 1;
+    int nargs = argc - i - 1;
+    if (strcmp(cmd, "cmsg") == 0) return cmd_cmsg();
+    if (strcmp(cmd, "encode") == 0) return cmd_encode(nargs, args);
+    if (strcmp(cmd, "decode") == 0 && nargs == 1) return cmd_decode(args[0]);
+
+    escrow_client c;
+    escrow_error err;
+    escrow_code rc = escrow_client_init(&c, owner, socket_path, timeout, &err);
+    if (rc != ESCROW_OK) return failed(rc, &err);
+    if (strcmp(cmd, "welcome") == 0 && nargs == 0) {
+        escrow_welcome w;
+        if ((rc = escrow_welcome_of(&c, &w, &err)) != ESCROW_OK) return failed(rc, &err);
+        json_welcome(stdout, &w);
+        return 0;
+    }
+    if (strcmp(cmd, "status") == 0 && nargs == 0) {
+        escrow_status s;
+        if ((rc = escrow_status_of(&c, &s, &err)) != ESCROW_OK) return failed(rc, &err);
+        json_status(stdout, &s);
+        return 0;
+    }
+    if (strcmp(cmd, "list") == 0 && nargs <= 1) {
+        escrow_session *s;
+        size_t n;
+        int all = nargs == 1 && strcmp(args[0], "--all") == 0;
+        if ((rc = escrow_list(&c, all, &s, &n, &err)) != ESCROW_OK) return failed(rc, &err);
+        json_sessions(stdout, s, n);
+        escrow_sessions_free(s, n);
+        return 0;
+    }
+    if (strcmp(cmd, "release") == 0 && nargs == 1) {
+        if ((rc = escrow_release(&c, args[0], &err)) != ESCROW_OK) return failed(rc, &err);
+        return 0;
+    }
+    if (strcmp(cmd, "hand-off") == 0 && (nargs == 2 || nargs == 3)) {
+        escrow_deposit_opts opts = opts_for(nargs, args, 2);
+        rc = escrow_hand_off(&c, args[0], atoi(args[1]), &opts, &err);
+        close(atoi(args[1])); /* the app's own copy: never read again once custody ends */
+        return rc == ESCROW_OK ? 0 : failed(rc, &err);
+    }
+    if (strcmp(cmd, "app") == 0 && nargs == 4) return cmd_app(&c, args);
+    if (strcmp(cmd, "retrieve") == 0 && (nargs == 1 || nargs == 2))
+        return cmd_retrieve(&c, args[0], nargs == 2 ? (size_t)atoll(args[1]) : 0);
+    fputs(usage, stderr);
+    return 2;
+}
+
+/* Every command ends with no fd open beyond stdin, stdout and stderr: whatever path the
+ * client took, it closed what it opened and what it received. */
+int main(int argc, char **argv) {
+    int status = command(argc, argv);
+    int leaked = 0;
+    for (int fd = 3; fd < 1024; fd++) {
+        if (fcntl(fd, F_GETFD) == -1) continue;
+        fprintf(stderr, "%s%d", leaked++ == 0 ? "{\"leaked_fds\": [" : ", ", fd);
+    }
+    if (leaked == 0) return status;
+    fputs("]}\n", stderr);
+    return 98;
+}

@@ -1,0 +1,195 @@
+/* escrow.h: a C client for escrowd, the fd-escrow holder (wire protocol version 1).
+ *
+ * Written from PROTOCOL.md; C11 and libc only. It is the reference for ports to Swift, Rust
+ * and Zig: every section of escrow.c names the PROTOCOL.md section it implements.
+ *
+ * Every call:
+ * - has a deadline: `timeout` seconds from the call's start (connect, hello and every frame
+ *   inside it), and never blocks past it (poll, on non-blocking sockets);
+ * - closes every fd it opened or received, on every path, except the fds it hands to the
+ *   caller (escrow_retrieved.fd), and never closes the caller's fds;
+ * - returns an escrow_code, and fills `err` (when not NULL) with the code's name, a message
+ *   and the session id the error is about.
+ * Nothing here is thread-safe beyond this: different escrow_custody objects may be used from
+ * different threads. No global state, no signals: sends use MSG_NOSIGNAL (SO_NOSIGPIPE on
+ * macOS), so a holder that went away gives ESCROW_UNAVAILABLE, never SIGPIPE.
+ */
+#ifndef ESCROW_H
+#define ESCROW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define ESCROW_PROTOCOL_VERSION 1
+#define ESCROW_DEFAULT_TIMEOUT 5.0  /* seconds: above the holder's default 3 + 1 */
+#define ESCROW_MAX_SOCKET_PATH 103  /* bytes, without the NUL, on every platform */
+#define ESCROW_NAME_MAX 128         /* owner and id: [A-Za-z0-9._:@-]{1,128} */
+#define ESCROW_LABEL_BYTES 1024     /* 256 code points of UTF-8 */
+#define ESCROW_HANDOFF_ID_MAX 64
+#define ESCROW_META_MAX 32          /* entries */
+#define ESCROW_INTS_MAX 32          /* entries kept from a map of ints; more are ignored */
+
+typedef enum escrow_code {
+    ESCROW_OK = 0,
+    /* The holder's answers (PROTOCOL.md section 9), in that table's order. */
+    ESCROW_BAD_REQUEST,
+    ESCROW_UNSUPPORTED_VERSION,
+    ESCROW_FORBIDDEN,       /* also: the client's own trust checks failed (section 1.3) */
+    ESCROW_UNKNOWN,
+    ESCROW_EXISTS,
+    ESCROW_NOT_A_TERMINAL,
+    ESCROW_CUSTODY_HELD,
+    ESCROW_BUSY,
+    ESCROW_DRAIN_STOP_TIMEOUT,
+    ESCROW_LIMIT,
+    ESCROW_HANDED_OFF,
+    ESCROW_RELEASED,
+    ESCROW_EXPIRED,
+    ESCROW_ACK_LATE,
+    ESCROW_OTHER,           /* a code newer than this client: its name is in err->code_name */
+    /* Found by the client; the names match the Python client's codes. */
+    ESCROW_UNAVAILABLE,     /* "unavailable": nothing listens, or the holder hung up */
+    ESCROW_UNRESPONSIVE,    /* "unresponsive": the deadline passed */
+    ESCROW_CONFIG,          /* "config": a bad argument, a path too long, the timeout invariant */
+    ESCROW_PROTOCOL,        /* "protocol": the holder sent something that is not the protocol */
+    ESCROW_SYSTEM           /* "system": a local call failed (out of memory, out of fds...) */
+} escrow_code;
+
+typedef struct escrow_error {
+    escrow_code code;
+    char code_name[33];                 /* "custody_held", "unresponsive", ... */
+    char message[512];                  /* for people; cut if longer */
+    char id[ESCROW_NAME_MAX + 1];       /* the session it is about, or "" */
+    int sys_errno;                      /* the errno behind it, or 0 */
+    int64_t versions[8];                /* unsupported_version: what the holder speaks */
+    size_t n_versions;
+} escrow_error;
+
+/* A map of str to int as the holder sends it (limits, counters, sessions_by_state): the
+ * first ESCROW_INTS_MAX entries with keys up to 63 bytes; the protocol lets them grow. */
+typedef struct escrow_ints {
+    struct { char key[64]; int64_t value; } entries[ESCROW_INTS_MAX];
+    size_t count;
+} escrow_ints;
+
+typedef struct escrow_meta {
+    const char *key;    /* up to 64 code points */
+    const char *value;  /* up to 1024 code points */
+} escrow_meta;
+
+typedef struct escrow_welcome {
+    int64_t version;
+    char holder_version[65];            /* cut if longer */
+    int64_t pid;
+    double drain_stop_budget, send_deadline, ack_deadline;
+    escrow_ints limits;
+} escrow_welcome;
+
+typedef struct escrow_session {
+    char owner[ESCROW_NAME_MAX + 1];
+    char id[ESCROW_NAME_MAX + 1];
+    char label[ESCROW_LABEL_BYTES + 1];
+    char state[33];                     /* an open set: treat a state you do not know as such */
+    int64_t child_pid;                  /* -1: nil */
+    int child_alive;                    /* 1 alive, 0 positively dead, -1 nil: cannot tell */
+    double deposited_at, state_since;
+    int64_t buffered_bytes, dropped_bytes;
+    int64_t custodian_pid;              /* -1: nil */
+    char handoff_id[ESCROW_HANDOFF_ID_MAX + 1];  /* "": nil */
+    int64_t cols, rows;
+    escrow_meta meta[ESCROW_META_MAX];  /* strings on the heap: escrow_session_clear */
+    size_t meta_count;
+} escrow_session;
+
+typedef struct escrow_status {
+    int64_t pid;
+    char version[65];
+    double started_at;
+    char socket[256];
+    escrow_ints sessions_by_state, counters, limits;
+    int64_t open_fds, rss_bytes;        /* -1: nil */
+} escrow_status;
+
+typedef struct escrow_client {
+    char owner[ESCROW_NAME_MAX + 1];
+    char socket_path[ESCROW_MAX_SOCKET_PATH + 1];
+    char client_name[257];
+    double timeout;                     /* seconds per call */
+} escrow_client;
+
+/* A custodian connection (PROTOCOL.md 10.2): sessions deposited through it stay `held`, the
+ * app still their reader, until it closes. `sock` is -1 once closed. */
+typedef struct escrow_custody {
+    int sock;
+    escrow_welcome welcome;
+    const escrow_client *client;
+} escrow_custody;
+
+typedef struct escrow_deposit_opts {
+    const char *label;                  /* NULL: "" */
+    int64_t child_pid;                  /* <= 0: none (sent as nil, never 0) */
+    int64_t cols, rows;
+    const escrow_meta *meta;
+    size_t meta_count;
+} escrow_deposit_opts;
+
+typedef struct escrow_retrieved {
+    int fd;                             /* the PTY master, close-on-exec: the caller's */
+    escrow_session session;             /* state: `draining` or `exited`, before the retrieve */
+    unsigned char *replay;              /* write it to the screen before reading fd */
+    size_t replay_len;
+    int64_t dropped_bytes;              /* lost off the front of replay */
+    char handoff_id[ESCROW_HANDOFF_ID_MAX + 1];
+    int confirmed;                      /* 1: the holder said `done` (or `list` proved it) */
+} escrow_retrieved;
+
+/* --- set up ------------------------------------------------------------------------------ */
+
+/* socket_path NULL: $ESCROW_SOCKET, else $XDG_RUNTIME_DIR/escrowd/escrowd.sock, else
+ * /tmp/escrowd-<uid>/escrowd.sock. timeout <= 0: ESCROW_DEFAULT_TIMEOUT. */
+escrow_code escrow_client_init(escrow_client *c, const char *owner, const char *socket_path,
+                               double timeout, escrow_error *err);
+escrow_code escrow_default_socket_path(char *buf, size_t size, escrow_error *err);
+const char *escrow_code_name(escrow_code code);
+
+/* --- giving terminals to the holder ------------------------------------------------------ */
+
+escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escrow_error *err);
+/* The holder gets its own copy of `fd` (SCM_RIGHTS); the app keeps reading its own. */
+escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
+                           const escrow_deposit_opts *opts, escrow_error *err);
+escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err);
+/* End custody: shut down our side and wait (within the timeout) for the holder to close its
+ * side, by when every session held here is draining. The app must not read those fds again. */
+void escrow_custody_close(escrow_custody *cu);
+/* In a forked child that will not exec: drop the inherited custody socket without a word, so
+ * the child never keeps custody alive after the app dies. */
+void escrow_custody_close_in_child(escrow_custody *cu);
+
+/* The hand-off (PROTOCOL.md section 11): deposit on a fresh connection and end custody at
+ * once. When it returns ESCROW_OK the holder is draining; `fd` stays open in the caller, who
+ * must not read it again and should close it. */
+escrow_code escrow_hand_off(const escrow_client *c, const char *id, int fd,
+                            const escrow_deposit_opts *opts, escrow_error *err);
+
+/* --- taking them back -------------------------------------------------------------------- */
+
+/* Retrieve (PROTOCOL.md section 12). On ESCROW_OK the caller owns out->fd and frees the rest
+ * with escrow_retrieved_free. out->confirmed 0 means the holder could not confirm (it is
+ * gone, which took its copy with it, or it did not answer again); escrow_list tells later. */
+escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retrieved *out,
+                            escrow_error *err);
+void escrow_retrieved_free(escrow_retrieved *r); /* does not close r->fd */
+
+/* --- asking ------------------------------------------------------------------------------ */
+
+escrow_code escrow_welcome_of(const escrow_client *c, escrow_welcome *out, escrow_error *err);
+escrow_code escrow_list(const escrow_client *c, int all_owners, escrow_session **out,
+                        size_t *count, escrow_error *err);
+void escrow_sessions_free(escrow_session *sessions, size_t count);
+void escrow_session_clear(escrow_session *s);
+escrow_code escrow_status_of(const escrow_client *c, escrow_status *out, escrow_error *err);
+escrow_code escrow_release(const escrow_client *c, const char *id, escrow_error *err);
+int escrow_ints_get(const escrow_ints *m, const char *key, int64_t *value);
+
+#endif

@@ -1,0 +1,248 @@
+"""The holder's half of a handoff, in-process: `escrowd.handoff.retrieve` on a real PTY.
+
+The holder process cannot be made to stop between two lines of the handoff, and some of its
+branches need an order of events that a real client cannot force: output written before the
+drain task ever ran, a terminal that hung up just before the retrieve, a holder shutting down
+(cancelled) while it waits for the ack, a hang-up seen by a drain task that a retrieve is
+stopping. Here the handoff runs under trio in the test's own process, on a real PTY, with a
+*recording connection* in place of the client's socket: it records what the holder sends
+(the fd it hands over is duplicated, as SCM_RIGHTS would), and answers with an `ack`, or
+never answers, as each test needs.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import tty
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import trio
+import trio.testing
+
+from escrow_client import protocol
+from escrowd import handoff
+from escrowd.config import Config
+from escrowd.registry import Registry
+from escrowd.session import Session
+
+OWNER = "com.example.term"
+SID = "tab-1"
+CONFIG = Config(socket_path="unused", drain_stop_budget=2.0, send_deadline=1.0,
+                ack_deadline=2.0)
+
+
+class RecordingConnection:
+    """Stands in for `escrowd.connection.Connection`. `reply` decides how the "app" answers
+    the handoff: by default with the right `ack`."""
+
+    def __init__(self, reply: Callable[[RecordingConnection], Awaitable[protocol.Request]]
+                 | None = None) -> None:
+        self.owner = OWNER
+        self.number = 1
+        self.peer_pid = os.getpid()
+        self.client_timeout = 0.0
+        self.sent: list[protocol.Message] = []
+        self.app_fds: list[int] = []  # the app's copies of what was handed over
+        self._reply = reply or RecordingConnection.ack
+
+    async def send(self, message: protocol.Message, fd: int | None = None) -> None:
+        self.sent.append(message)
+        if fd is not None:
+            self.app_fds.append(os.dup(fd))
+
+    async def send_error(self, code: str, message: str, sid: str | None = None) -> None:
+        await self.send(protocol.Error(code=code, message=message, id=sid))
+
+    async def receive(self, max_body: int) -> tuple[protocol.Request, int | None]:
+        return await self._reply(self), None
+
+    async def ack(self) -> protocol.Request:
+        return protocol.Ack(id=SID, handoff_id=self.handoff().handoff_id)
+
+    def handoff(self) -> protocol.Handoff:
+        (sent,) = [m for m in self.sent if isinstance(m, protocol.Handoff)]
+        return sent
+
+    def close_app_fds(self) -> None:
+        for fd in self.app_fds:
+            os.close(fd)
+        self.app_fds.clear()
+
+
+@contextmanager
+def raw_pty() -> Iterator[tuple[int, int]]:
+    """A real PTY, raw (bytes pass unchanged); the test's own master and slave."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    try:
+        yield master, slave
+    finally:
+        for fd in (master, slave):
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the test closed it already
+
+
+def escrowed(master: int, ring_bytes: int = 1 << 20) -> tuple[Registry, Session]:
+    """A registry holding one session on a duplicate of `master` (custody already ended:
+    the caller starts the drain)."""
+    registry = Registry(max_sessions=8, ring_bytes=ring_bytes, total_ring_bytes=1 << 30,
+                        max_tombstones=8)
+    session = Session(OWNER, protocol.Deposit(id=SID), os.dup(master), registry.new_ring(),
+                      custodian=None, custodian_pid=None, child_start_time=None)
+    registry.add(session)
+    return registry, session
+
+
+async def until(condition: Callable[[], object], what: str, timeout: float = 5.0) -> None:
+    """Poll `condition` under a deadline, letting the drain task run meanwhile."""
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.001)
+
+
+def read_all(fd: int) -> bytes:
+    """Everything readable on `fd` now (the PTY pushes pending bytes before poll answers)."""
+    out = b""
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+# --- step 2: the sweep -----------------------------------------------------------------------
+
+
+async def test_the_sweep_takes_what_the_drain_task_never_read() -> None:
+    """Incident pinned (issue 9, item 3): an app relaunched within moments of handing off
+    got a replay without the child's last output: it had been written after custody ended
+    but before the drain task first ran, and the retrieve stopped that task before it read.
+    The sweep after the stop reads it into the replay."""
+    data = bytes(range(256)) * 12
+    with raw_pty() as (master, slave):
+        os.write(slave, data)
+        registry, session = escrowed(master)
+        conn = RecordingConnection()
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")  # scheduled, not run yet
+            assert await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+        sent = conn.handoff()
+        assert (sent.replay, sent.dropped_bytes) == (data, 0)
+        assert conn.sent[-1] == protocol.Done(id=SID)
+        assert read_all(master) == b""  # delivered once, in the replay
+        conn.close_app_fds()
+
+
+async def test_the_sweep_fills_free_space_only_and_leaves_the_rest_in_the_kernel() -> None:
+    """Incident pinned (issue 9, item 3): a sweep that read like the drain (overwriting the
+    oldest bytes of a full ring) threw away replay that nobody had seen, and counted it as
+    dropped, although the new reader could have read it from the terminal itself. With a full
+    ring and more waiting, the sweep reads nothing: `dropped_bytes` stays 0, the replay is
+    the ring as it was, and the rest is still in the kernel for the app."""
+    limit = 1024
+    first, rest = b"a" * limit, bytes(range(200)) * 2
+    with raw_pty() as (master, slave):
+        registry, session = escrowed(master, ring_bytes=limit)
+        conn = RecordingConnection()
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")
+            os.write(slave, first)
+            await until(lambda: session.ring.size == limit, "the ring full")
+            assert session.ring.dropped == 0
+            os.write(slave, rest)  # no checkpoint until the retrieve stops the drain
+            assert await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+        sent = conn.handoff()
+        assert (sent.replay, sent.dropped_bytes) == (first, 0)
+        assert read_all(master) == rest
+        conn.close_app_fds()
+
+
+async def test_a_terminal_that_hung_up_before_the_drain_ran_is_handed_off_exited() -> None:
+    """Incident pinned (issue 9, item 4): a build finished (its terminal hung up) just after
+    its app handed off, before the drain task first ran; the relaunched app was told the
+    session was still `draining` and waited for output that could never come. The sweep
+    sees the hang-up after reading the whole tail, and the handoff says `exited`."""
+    tail = b"build done\r\n" * 50
+    with raw_pty() as (master, slave):
+        os.write(slave, tail)
+        os.close(slave)
+        registry, session = escrowed(master)
+        conn = RecordingConnection()
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")
+            assert await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+        sent = conn.handoff()
+        assert sent.session.state == "exited"
+        assert sent.replay == tail
+        conn.close_app_fds()
+
+
+# --- cancelled mid-handoff -------------------------------------------------------------------
+
+
+async def test_a_handoff_cancelled_while_waiting_for_the_ack_is_put_back() -> None:
+    """Incident pinned (issue 9, item 13): the holder was shut down while it waited for an
+    app's ack. Cancellation passes no except clause, so only the `finally` can put the
+    session back: draining again on the same fd, ring untouched, handoff_id cleared, and a
+    fresh drain reading on."""
+    with raw_pty() as (master, slave):
+        os.write(slave, b"before\r\n")
+        registry, session = escrowed(master)
+        cancelled = trio.CancelScope()
+
+        async def shut_down(conn: RecordingConnection) -> protocol.Request:
+            cancelled.cancel()  # as a holder stopping, while the app has not acked yet
+            await trio.sleep_forever()
+            raise AssertionError("not reached")
+
+        conn = RecordingConnection(shut_down)
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")
+            with cancelled:
+                await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+                raise AssertionError("the retrieve was not cancelled")
+            assert conn.handoff().replay == b"before\r\n"
+            assert session.state == "draining"
+            assert session.handoff_id is None
+            assert registry.handoffs_failed == 1 and registry.handoffs == 0
+            assert session.has_drain()
+            os.write(slave, b"after\r\n")
+            await until(lambda: session.ring.size == len(b"before\r\nafter\r\n"), "a new drain")
+            assert session.ring.contents() == b"before\r\nafter\r\n"
+            await session.stop_drain()
+        session.close()
+        conn.close_app_fds()
+
+
+# --- the drain task --------------------------------------------------------------------------
+
+
+async def test_a_hang_up_seen_while_handing_off_leaves_the_state_to_the_handoff() -> None:
+    """Incident pinned (issue 9, item 13): trio's cancel cannot stop a drain task that the
+    I/O manager already woke, so a retrieve that has set `handing_off` can meet a drain that
+    reads on and sees the terminal hang up. Were the drain to mark the session `exited`
+    then, a second retrieve could hand the same terminal out while the first handoff is
+    still under way. The drain leaves the state alone and records the hang-up (`hung_up`),
+    which the handoff reads; the whole tail is in the ring first.
+
+    The order is forced by doing what retrieve does first (set `handing_off`) before the
+    terminal hangs up, and letting the drain task see the hang-up before it is stopped."""
+    tail = b"last words\r\n" * 20
+    with raw_pty() as (master, slave):
+        registry, session = escrowed(master)
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")
+            await trio.testing.wait_all_tasks_blocked()  # the drain waits for output
+            session.set_state("handing_off", "retrieve (under way)")
+            os.write(slave, tail)
+            os.close(slave)
+            await until(lambda: session.hung_up, "the drain to see the hang-up")
+            assert session.state == "handing_off"
+            assert session.ring.contents() == tail
+            await session.stop_drain()
+        session.close()
