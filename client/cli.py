@@ -72,6 +72,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "pid": verdict.pid,
             "socket": verdict.socket,
             "holder": _holder_dict(verdict.holder) if verdict.holder is not None else None,
+            "keeper": _keeper(verdict),
             "evidence": verdict.evidence,
             "reason": verdict.reason,
             "buffered_bytes": buffered,
@@ -79,6 +80,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(_status_text(verdict, buffered))
     return STATUS_EXIT_CODES.get(verdict.state, STATUS_EXIT_CODES["indeterminate"])
+
+
+def _keeper(verdict: Verdict) -> dict[str, Any] | None:
+    """The keeper, when the holder answered that it runs under one: the process that holds
+    the lock (and the sessions' fds while no holder runs)."""
+    pid = verdict.holder.keeper_pid if verdict.holder is not None else None
+    return {"pid": pid} if pid is not None else None
 
 
 def _holder_dict(status: HolderStatus) -> dict[str, Any]:

@@ -253,8 +253,12 @@ class EscrowClient:
                 os.close(result.fd)  # another client's handoff: ours was put back first
                 raise errors.Busy(f"session {sid} is being handed off to another client", sid)
             if state == "handing_off":
+                # Ours. A holder that restarted (and adopted it) completes it on an ack sent
+                # here; one still acting on our hang-up answers `busy`, and we ask again.
+                if self._ack_again(result, deadline):
+                    return result
                 if deadline.remaining() > 0.02:
-                    time.sleep(0.02)  # the holder is still acting on our hang-up; ask again
+                    time.sleep(0.02)
                     continue
                 return result  # our ack is queued there, if anything: keep the fd
             if state in ("draining", "exited", "held") and info is not None and (
@@ -269,6 +273,26 @@ class EscrowClient:
                 )
             # released, expired or unknown: the holder has no copy left; ours is the only one.
             return result
+
+    def _ack_again(self, result: Retrieved, deadline: Deadline) -> bool:
+        """Ack `result` on a fresh connection: True once the holder answered `done`.
+        `ack_late` means the holder kept the session: our copy is closed and that raised.
+        Anything else (`busy`: the first connection's handoff is still being wound up;
+        no answer) is False, and the caller asks again."""
+        sid = result.session.id
+        try:
+            with self._channel(deadline, use_breaker=False) as channel:
+                reply, _ = channel.call(protocol.Ack(id=sid, handoff_id=result.handoff_id),
+                                        deadline)
+        except errors.AckLate:
+            os.close(result.fd)  # the holder is draining it again: we must not read too
+            raise
+        except errors.EscrowError:
+            return False
+        if isinstance(reply, protocol.Done):
+            result.confirmed = True
+            return True
+        return False
 
     def reclaim_all(
         self, deadline: float = DEFAULT_RECLAIM_DEADLINE, grace: float = DEFAULT_CUSTODY_GRACE

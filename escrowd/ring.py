@@ -202,10 +202,11 @@ class Ring:
         self._length = length_at_layout + self._total - total_at_layout
         if not unclean or capacity == 0:
             return 0
-        suspect = max(0, min(self._length, capacity) + MAX_READ - capacity)
+        held = self.size
+        # Only a read that did not fit the free space can have overwritten held bytes.
+        suspect = min(held, max(0, held + MAX_READ - capacity))
         if suspect == 0:
             return 0
-        held = self.size
         end = (origin + self._length) % capacity
         self.origin = (end - (held - suspect)) % capacity
         self.total_at_layout, self.length_at_layout = self._total, held - suspect

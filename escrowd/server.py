@@ -482,6 +482,13 @@ class Holder:
             self.registry.handoffs += 1
             await conn.send(protocol.Done(id=ack.id))
             return
+        if (session is not None and session.state == "handing_off"
+                and session.handoff_id == ack.handoff_id):
+            # Its own connection is still winding it up (an ack queued there may yet
+            # complete it): neither late nor done, yet.
+            await conn.send_error("busy", f"handoff {ack.handoff_id} is still under way on "
+                                  "its own connection; ask again", ack.id)
+            return
         tomb = self.registry.tombstone(conn.owner, ack.id)
         if tomb is not None and tomb.state == "handed_off" and tomb.handoff_id == ack.handoff_id:
             await conn.send(protocol.Done(id=ack.id))

@@ -47,9 +47,10 @@ _SLOTS = ((64, SMALL_SLOT), (64 + SMALL_SLOT, SMALL_SLOT),
           (PAGE, BIG_SLOT), (PAGE + BIG_SLOT, BIG_SLOT))
 DATA_OFFSET = PAGE + 2 * BIG_SLOT
 _SLOT_HEAD = struct.Struct("=QII")  # sequence number, payload length, CRC-32
-# The most one read into the ring may write (a pty read returns far less): after an
-# unclean stop, at most this much of a full ring can have been overwritten uncounted.
-MAX_READ = 64 * 1024
+# The most one read into the ring may write (a pty read returns at most about 4 KiB):
+# after an unclean stop, at most this much of a full ring can have been overwritten
+# uncounted.
+MAX_READ = 8 * 1024
 
 
 R = TypeVar("R", "Record", "HolderRecord")

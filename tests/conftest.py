@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from escrow_client import EscrowClient, EscrowError
+from escrow_client import EscrowClient, EscrowError, paths
 
 OWNER = "com.example.term"
 
@@ -81,8 +81,13 @@ class HolderProcess:
         return self.proc.pid
 
     def serving_pid(self) -> int:
-        """The process that answers: the holder (under a keeper, the keeper's child)."""
-        return self.client("escrowctl").status().pid if self.keeper else self.proc.pid
+        """The process that answers: the holder (under a keeper, the keeper's child, as
+        its pidfile names it: asking the holder would open a connection, an fd more)."""
+        if not self.keeper:
+            return self.proc.pid
+        record = paths.read_pidfile(self.socket)
+        assert record is not None, "no pidfile: no holder serves"
+        return record.pid
 
     def logs(self) -> str:
         return self.log_path.read_text()

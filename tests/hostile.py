@@ -107,13 +107,14 @@ def holder_status(holder: HolderProcess) -> protocol.HolderStatus:
     return reply
 
 
-def wait_fds(holder: HolderProcess, sessions: int, timeout: float = 5.0) -> None:
+def wait_fds(holder: HolderProcess, sessions: int, connections: int = 0,
+             timeout: float = 5.0) -> None:
     """The holder's open fds come back to its baseline plus those of the `sessions` it
-    holds (each: its PTY master and its state file)."""
-    want = holder.baseline_fds + SESSION_FDS * sessions
+    holds (each SESSION_FDS) and of the `connections` open to it (one each)."""
+    want = holder.baseline_fds + SESSION_FDS * sessions + connections
     wait_for(lambda: holder.fd_count() == want, timeout,
              f"holder fds back to {want} (baseline {holder.baseline_fds} + {sessions} "
-             f"session(s)); now {holder.fd_count()}")
+             f"session(s) + {connections} connection(s)); now {holder.fd_count()}")
 
 
 # --- what an idle holder costs ---------------------------------------------------------------

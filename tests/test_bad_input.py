@@ -359,7 +359,7 @@ def test_deposit_with_a_bad_field_closes_its_fd(h: HolderProcess, fds: Fds, name
         send_with_fds(raw.sock, frame(body), [fds.pty_master()])
         expect_error(raw, "bad_request")
         expect_still_serving(raw)
-        wait_fds(h, 2)  # the bystander and this connection: the master was closed
+        wait_fds(h, 1, connections=1)  # the bystander and this connection: the master was closed
     assert "bad-field" not in {s.id for s in h.client().list()}
 
 
@@ -418,7 +418,7 @@ def test_hello_with_an_fd_is_refused_and_the_fd_closed(h: HolderProcess, fds: Fd
     with RawClient(h.socket) as raw:
         raw.send(HELLO, fd=fds.pty_master())
         expect_error(raw, "bad_request")
-        wait_fds(h, 2)
+        wait_fds(h, 1, connections=1)
         raw.hello()
         expect_still_serving(raw)
 
@@ -470,7 +470,7 @@ def test_the_wrong_number_of_fds_is_a_bad_request(h: HolderProcess, fds: Fds, na
         error = expect_error(raw, "bad_request")
         assert f"must carry {1 if isinstance(message, P.Deposit) else 0} fd(s), not {count}" in (
             error.message)
-        wait_fds(h, 2)  # every fd that came with it is closed; the connection is open
+        wait_fds(h, 1, connections=1)  # every fd that came with it is closed
         expect_still_serving(raw)
     # No retrieve or release of the bystander happened (checked at teardown).
     assert "fdcount" not in {s.id for s in h.client().list()}
@@ -491,7 +491,7 @@ def test_msg_ctrunc_is_a_bad_request_and_the_connection_goes_on(
         send_with_fds(raw.sock, P.encode(message), [master] * count)
         error = expect_error(raw, "bad_request")
         assert "MSG_CTRUNC" in error.message
-        wait_fds(h, 2)
+        wait_fds(h, 1, connections=1)
         expect_still_serving(raw)
         expect_still_serving(raw)
     assert "ctrunc" not in {s.id for s in h.client().list()}
@@ -512,7 +512,7 @@ def test_ctrunc_in_the_body_also_closes_the_fd_that_came_with_the_header(
         send_with_fds(raw.sock, body, [fds.pipe_read()] * 9)
         error = expect_error(raw, "bad_request")
         assert "MSG_CTRUNC" in error.message
-        wait_fds(h, 2)  # the bystander's master and this connection: nothing else
+        wait_fds(h, 1, connections=1)  # the bystander's master and this connection: nothing else
         expect_still_serving(raw)
     assert "ctrunc" not in {s.id for s in h.client().list()}
 
@@ -540,7 +540,7 @@ def test_a_deposit_that_is_not_a_pty_master(h: HolderProcess, fds: Fds, kind: st
         raw.send(P.Deposit(id="not-a-master"), fd=fd)
         error = expect_error(raw, "not_a_terminal")
         assert error.id == "not-a-master"
-        wait_fds(h, 2)
+        wait_fds(h, 1, connections=1)
         expect_still_serving(raw)
     assert "not-a-master" not in {s.id for s in h.client().list()}
     line = h.log_lines("deposit_refused")[-1]
@@ -553,7 +553,7 @@ def test_the_socket_the_client_sends_on_is_not_a_terminal(h: HolderProcess) -> N
         raw.hello()
         raw.send(P.Deposit(id="itself"), fd=raw.sock.fileno())
         expect_error(raw, "not_a_terminal")
-        wait_fds(h, 2)
+        wait_fds(h, 1, connections=1)
         expect_still_serving(raw)
 
 
@@ -581,7 +581,7 @@ def test_the_same_pty_master_under_a_second_id_is_exists(
         assert "already escrowed as com.example.term/one-pty-a" in error.message
         if other is not raw:
             other.close()
-        wait_fds(h, 3)  # the bystander, one-pty-a and this connection
+        wait_fds(h, 2, connections=1)  # the bystander, one-pty-a and this connection
         raw.send(P.Release(id="one-pty-a"))
         assert raw.receive()[0] == P.Released(id="one-pty-a")
     ids = {s.id: s.state for s in h.client().list()}
@@ -604,7 +604,7 @@ def test_a_duplicate_id_is_exists(h: HolderProcess, fds: Fds, where: str) -> Non
         if where == "same-connection":
             raw.send(P.Release(id="dup-id"))
             assert raw.receive()[0] == P.Released(id="dup-id")
-        wait_fds(h, 2)
+        wait_fds(h, 1, connections=1)
 
 
 # --- 8. names: owner and id -------------------------------------------------------------------
@@ -641,7 +641,7 @@ def test_bad_owner_and_id_are_bad_requests(h: HolderProcess, fds: Fds, name: str
         expect_error(raw, "bad_request")
         send_with_fds(raw.sock, frame(mp({"type": "deposit", "id": bad})), [fds.pty_master()])
         expect_error(raw, "bad_request")
-        wait_fds(h, 2)
+        wait_fds(h, 1, connections=1)
         expect_still_serving(raw)
     assert bad_requests(h) == before + 5
     assert bad not in {s.id for s in h.client().list(all_owners=True)}
@@ -674,7 +674,7 @@ def test_over_the_session_limit_is_limit(make_holder: Callable[..., HolderProces
             raw.send(P.Deposit(id="third"), fd=fds.pty_master())
             error = expect_error(raw, "limit")
             assert error.id == "third" and "limit of 2 session(s)" in error.message
-            wait_fds(holder, 3)  # bystander, second, this connection: "third" was closed
+            wait_fds(holder, 2, connections=1)  # bystander, second; "third" was closed
             # Room again after a release.
             raw.send(P.Release(id="second"))
             assert raw.receive()[0] == P.Released(id="second")

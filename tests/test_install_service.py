@@ -208,7 +208,8 @@ def test_launchd_agent_as_installed_runs_a_holder_on_its_pinned_socket(
             return " event=ready " in holder.logs()
 
         wait_for(ready, 15.0, "escrowd started as the agent starts it")
-        assert holder.client(OWNER).status().pid == proc.pid
+        status = holder.client(OWNER).status()
+        assert status.keeper_pid == proc.pid and status.fd_store == "keeper"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HolderProcess, PtyChild, wait_for
+from escrow_client import fdpass
 from escrowd import service
 
 # Variables a service manager sets; a test run under systemd must not leak its own into the
@@ -39,6 +40,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 # --- the notify socket ----------------------------------------------------------------------
 
 
+def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    data, ancdata, flags, _ = sock.recvmsg(65536, socket.CMSG_SPACE(64 * 4))
+    return data, fdpass.fds_from_ancillary(ancdata, flags)
+
+
+
 class NotifySocket:
     """A test-owned $NOTIFY_SOCKET: an AF_UNIX datagram socket, on a path or abstract."""
 
@@ -47,19 +54,29 @@ class NotifySocket:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind("\0" + address[1:] if address.startswith("@") else address)
         self.received: list[dict[str, str]] = []
+        self.stored: list[dict[str, str]] = []
 
     def receive(self, timeout: float = 10.0) -> dict[str, str]:
-        """The next datagram, as its KEY=VALUE lines; fail if none comes within `timeout`."""
-        self.sock.settimeout(timeout)
-        try:
-            data = self.sock.recv(65536)
-        except TimeoutError:
-            raise AssertionError(
-                f"no notify datagram within {timeout}s; got so far: {self.received}"
-            ) from None
-        message = dict(line.split("=", 1) for line in data.decode().splitlines())
-        self.received.append(message)
-        return message
+        """The next datagram about the service (READY, STATUS, WATCHDOG...), as its
+        KEY=VALUE lines; fail if none comes within `timeout`. Fd store messages (with the
+        fds they carry, closed here) go to `stored` instead: tests/test_fdstore.py is
+        about those."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                data, fds = _recv_with_fds(self.sock)
+            except TimeoutError:
+                raise AssertionError(
+                    f"no notify datagram within {timeout}s; got so far: {self.received}"
+                ) from None
+            message = dict(line.split("=", 1) for line in data.decode().splitlines())
+            fdpass.close_fds(fds)
+            if "FDSTORE" in message or "FDSTOREREMOVE" in message:
+                self.stored.append(message)
+                continue
+            self.received.append(message)
+            return message
 
     def receive_until(self, condition: Callable[[dict[str, str]], bool],
                       timeout: float = 10.0) -> dict[str, str]:
@@ -73,13 +90,18 @@ class NotifySocket:
                 return message
 
     def drain(self) -> list[dict[str, str]]:
-        """Whatever is queued now, without waiting."""
+        """Whatever is queued now about the service, without waiting."""
         self.sock.setblocking(False)
         got = []
         try:
             while True:
-                data = self.sock.recv(65536)
-                got.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+                data, fds = _recv_with_fds(self.sock)
+                fdpass.close_fds(fds)
+                message = dict(line.split("=", 1) for line in data.decode().splitlines())
+                if "FDSTORE" in message or "FDSTOREREMOVE" in message:
+                    self.stored.append(message)
+                else:
+                    got.append(message)
         except BlockingIOError:
             pass
         self.received += got

@@ -89,7 +89,8 @@ static void json_session(FILE *out, const escrow_session *s) {
         if (i > 0) fputs(", ", out);
         json_str(out, s->meta[i].key), fputs(": ", out), json_str(out, s->meta[i].value);
     }
-    fputs("}}", out);
+    fputs("}, \"replay_gap_at\": ", out), json_opt_int(out, s->replay_gap_at);
+    fputs("}", out);
 }
 
 static void json_welcome(FILE *out, const escrow_welcome *w) {

@@ -885,7 +885,7 @@ static int rd_session(mp_in *in, escrow_session *s) {
     unsigned need = OWNER | ID | STATE;
     size_t n;
     memset(s, 0, sizeof *s);
-    s->child_pid = s->custodian_pid = -1;
+    s->child_pid = s->custodian_pid = s->replay_gap_at = -1;
     s->child_alive = -1;
     if (rd_map(in, &n) != 0) return -1;
     for (size_t i = 0; i < n; i++) {
@@ -912,6 +912,7 @@ static int rd_session(mp_in *in, escrow_session *s) {
         else if (key_is(k, kl, "cols")) r = rd_int(in, &s->cols);
         else if (key_is(k, kl, "rows")) r = rd_int(in, &s->rows);
         else if (key_is(k, kl, "meta")) r = rd_meta(in, s);
+        else if (key_is(k, kl, "replay_gap_at")) r = rd_opt_int(in, &s->replay_gap_at);
         else r = rd_skip(in, 0);
         if (r != 0) return -1;
     }

@@ -99,6 +99,8 @@ typedef struct escrow_session {
     int64_t cols, rows;
     escrow_meta meta[ESCROW_META_MAX];  /* strings on the heap: escrow_session_clear */
     size_t meta_count;
+    int64_t replay_gap_at;              /* -1: nil (a seamless replay); else the offset in
+                                           the replay where one read may be missing */
 } escrow_session;
 
 typedef struct escrow_status {
