@@ -199,38 +199,42 @@ VICTIM = textwrap.dedent("""
 
 
 def test_the_default_path_squatted_in_tmp(user: OtherUser, base: Path) -> None:
-    """The incident as it happened, in a private /tmp (a mount namespace, so the machine's
-    own /tmp/escrowd-<uid> is not touched): XDG_RUNTIME_DIR unset, the other user squats
+    """The incident as it happened: XDG_RUNTIME_DIR unset, the other user squats
     /tmp/escrowd-<uid> with mode 0777 and listens; the victim's plain EscrowClient refuses
-    and the squatter receives nothing."""
+    and the squatter receives nothing. The squatted directory is a tmpfs mounted over
+    /tmp/escrowd-<uid> in a mount namespace of the test's own, so this machine's real one
+    (and anything listening in it) is never touched."""
     unshare = require_program("unshare")
     script = base / "victim.py"
     script.write_text(VICTIM)
     report = base / "fake.json"
     uid = os.getuid()
-    # The script and the report live in `base`, which the new /tmp covers: the shell enters
-    # it first, and its working directory stays the old one (so only relative opens work).
+    squatted = Path(f"/tmp/escrowd-{uid}")
+    made_mountpoint = not squatted.exists()
+    if made_mountpoint:
+        squatted.mkdir(mode=0o700)  # what our own holder would make there; removed below
     inner = textwrap.dedent(f"""
         set -eu
-        cd {base}
-        mount -t tmpfs -o mode=1777 tmpfs /tmp
-        mkdir /tmp/escrowd-{uid}
-        chown {user.uid}:{user.gid} /tmp/escrowd-{uid}
-        chmod 0777 /tmp/escrowd-{uid}
+        mount -t tmpfs -o mode=0777 tmpfs {squatted}
+        chown {user.uid}:{user.gid} {squatted}
         {sys.executable} {Path(__file__).parent / "otheruser.py"} \\
-            /tmp/escrowd-{uid}/escrowd.sock ./{report.name} &
+            {squatted}/escrowd.sock {report} &
         fake=$!
         trap 'kill -TERM $fake 2>/dev/null || true' EXIT
-        while [ ! -S /tmp/escrowd-{uid}/escrowd.sock ]; do
+        while [ ! -S {squatted}/escrowd.sock ]; do
             kill -0 $fake
             sleep 0.01
         done
-        env -u XDG_RUNTIME_DIR -u ESCROW_SOCKET {sys.executable} - < ./{script.name}
+        env -u XDG_RUNTIME_DIR -u ESCROW_SOCKET {sys.executable} {script}
         kill -TERM $fake
         wait $fake
     """)
-    result = subprocess.run([unshare, "-m", "--propagation", "private", "sh", "-c", inner],
-                            capture_output=True, text=True, timeout=60)
+    try:
+        result = subprocess.run([unshare, "-m", "--propagation", "private", "sh", "-c", inner],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        if made_mountpoint:
+            squatted.rmdir()
     assert result.returncode == 0, result.stderr
     victim = json.loads(result.stdout.strip().splitlines()[-1])
     assert victim["socket"] == f"/tmp/escrowd-{uid}/escrowd.sock"
