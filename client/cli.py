@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, demo, errors, liveness, paths, protocol, service_files
+from . import __version__, control, demo, errors, liveness, paths, protocol, service_files
 from .client import DEFAULT_TIMEOUT, EscrowClient
 from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from .protocol import HolderStatus, SessionInfo
@@ -161,11 +161,12 @@ def _pid_text(pid: int | None) -> str:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """Stop the holder with SIGTERM, unless it holds sessions (and --force was not given).
+    """Stop the holder, unless it holds sessions (and --force was not given): SIGTERM to
+    its keeper (which stops the holder, then closes every stored fd), or to a bare holder.
 
-    The pid signalled is the one the holder gave in its `status` answer on a live
-    connection, and it must also be the pid F_GETLK names as the lock's holder: two proofs
-    that it is the holder. Without an answer nothing is signalled.
+    What is signalled is proven twice (escrow_client.control): the holder's own `status`
+    answer on a live connection, and the lock's holder (F_GETLK). Without an answer nothing
+    is signalled.
     """
     socket_path = paths.resolve_socket_path(args.socket)
     verdict = holder_verdict(socket_path, args.timeout, list_sessions=True)
@@ -173,51 +174,103 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"escrowctl: no holder is running on {socket_path} "
               f"({verdict.state.replace('_', ' ')}); nothing to stop", file=sys.stderr)
         return STOP_NOT_RUNNING
-    pid = verdict.pid
-    if verdict.state != "running" or pid is None:
-        print(f"escrowctl: not stopping the holder on {socket_path}: it is {verdict.state} "
-              f"({verdict.reason}); nothing was signalled", file=sys.stderr)
+    try:
+        who = control.target(verdict)
+    except control.NotProven as exc:
+        print(f"escrowctl: not stopping the holder on {socket_path}: {exc}; nothing was "
+              "signalled", file=sys.stderr)
         return STOP_CANNOT_TELL
-    lock_pid = verdict.evidence.get("lock_holder_pid")
-    if lock_pid != pid or pid == os.getpid():
-        print(f"escrowctl: not stopping the holder on {socket_path}: it says it is pid {pid}, "
-              f"but the lock is held by {lock_pid if lock_pid is not None else 'nobody known'}; "
-              "nothing was signalled", file=sys.stderr)
-        return STOP_CANNOT_TELL
+    if verdict.holder is not None and verdict.holder.fd_store == "systemd":
+        print(f"escrowctl: escrowd (pid {who.pid}) runs under systemd, which would start it "
+              "again: stop it with `systemctl --user stop escrowd.socket escrowd.service`",
+              file=sys.stderr)
+        return STOP_REFUSED
     live = [s for s in verdict.sessions or [] if s.state in protocol.LIVE_STATES]
     if not args.force:
         if verdict.sessions is None:
-            print(f"escrowctl: not stopping escrowd (pid {pid}): it did not list its sessions "
-                  "in time, so it may hold some; use --force to stop it anyway",
+            print(f"escrowctl: not stopping escrowd (pid {who.holder_pid}): it did not list "
+                  "its sessions in time, so it may hold some; use --force to stop it anyway",
                   file=sys.stderr)
             return STOP_CANNOT_TELL
         if live:
-            print(f"escrowctl: not stopping escrowd (pid {pid}): {len(live)} session(s) "
-                  "escrowed; stopping it would drop them (the terminals no app holds would "
-                  "hang up). Reclaim or release them first, or use --force:", file=sys.stderr)
+            print(f"escrowctl: not stopping escrowd (pid {who.holder_pid}): {len(live)} "
+                  "session(s) escrowed; stopping it would drop them (the terminals no app "
+                  "holds would hang up). Reclaim or release them first, or use --force:",
+                  file=sys.stderr)
             for s in live:
                 print(f"  {s.owner}/{s.id} {s.state}", file=sys.stderr)
             return STOP_REFUSED
-    started = liveness.process_start_time(pid)
+    holder_started = liveness.process_start_time(who.holder_pid)
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(who.pid, signal.SIGTERM)
     except ProcessLookupError:
-        print(f"escrowd (pid {pid}) on {socket_path} had already exited")
+        print(f"escrowd (pid {who.pid}) on {socket_path} had already exited")
         return STOP_STOPPED
     except OSError as exc:  # EPERM: a process this user may not signal
-        print(f"escrowctl: not stopping escrowd (pid {pid}) on {socket_path}: you may not "
-              f"signal it ({exc.strerror or exc}); nothing was signalled", file=sys.stderr)
+        print(f"escrowctl: not stopping escrowd (pid {who.pid}) on {socket_path}: you may "
+              f"not signal it ({exc.strerror or exc}); nothing was signalled", file=sys.stderr)
         return STOP_NOT_PERMITTED
     deadline = time.monotonic() + args.wait
-    while liveness.process_alive(pid, started) is not False:
+    while (liveness.process_alive(who.pid, who.start_time) is not False
+           or liveness.process_alive(who.holder_pid, holder_started) is not False):
         if time.monotonic() >= deadline:
-            print(f"escrowctl: sent SIGTERM to escrowd (pid {pid}), but it still runs after "
-                  f"{args.wait:g}s", file=sys.stderr)
+            print(f"escrowctl: sent SIGTERM to escrowd (pid {who.pid}), but it still runs "
+                  f"after {args.wait:g}s", file=sys.stderr)
             return STOP_STILL_RUNNING
         time.sleep(0.02)
     dropped = f"; dropped {len(live)} escrowed session(s)" if live else ""
-    print(f"stopped escrowd (pid {pid}) on {socket_path}{dropped}")
+    pair = f" and its keeper (pid {who.pid})" if who.keeper else ""
+    print(f"stopped escrowd (pid {who.holder_pid}){pair} on {socket_path}{dropped}")
     return STOP_STOPPED
+
+
+# --- upgrade ------------------------------------------------------------------------------
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    """Replace the running holder with the installed code, every session intact (DESIGN
+    §11): SIGHUP to its keeper, or a restart of its systemd unit. A holder with no fd store
+    is not touched: replacing it would drop its sessions."""
+    socket_path = paths.resolve_socket_path(args.socket)
+    verdict = holder_verdict(socket_path, args.timeout)
+    try:
+        who = control.target(verdict)
+    except control.NotProven as exc:
+        print(f"escrowctl: not upgrading the holder on {socket_path}: {exc}", file=sys.stderr)
+        return 1
+    before = verdict.holder
+    assert before is not None
+    if before.fd_store == "keeper":
+        os.kill(who.pid, signal.SIGHUP)
+    elif before.fd_store == "systemd":
+        done = subprocess.run(["systemctl", "--user", "restart", "escrowd.service"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            print(f"escrowctl: systemctl --user restart escrowd.service failed: "
+                  f"{done.stderr.strip()}", file=sys.stderr)
+            return 1
+    else:
+        print(f"escrowctl: escrowd (pid {who.pid}) keeps no fd store: replacing it would drop "
+              "every session it holds. Run escrowd with its keeper (plain `escrowd`) or "
+              "under systemd to upgrade in place.", file=sys.stderr)
+        return 1
+    client = _admin(args)
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            after = client.status()
+            if after.instance != before.instance:
+                break
+        except errors.EscrowError:
+            pass
+        if time.monotonic() >= deadline:
+            print(f"escrowctl: no new holder answered within {args.wait:g}s (the sessions "
+                  "stay with the keeper or systemd, and it keeps trying)", file=sys.stderr)
+            return 5
+        time.sleep(0.05)
+    print(f"upgraded escrowd {before.version} (pid {before.pid}) -> {after.version} "
+          f"(pid {after.pid}) on {socket_path}: {after.adopted} session(s) adopted")
+    return 0
 
 
 # --- list ---------------------------------------------------------------------------------
@@ -590,6 +643,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how long to wait for it to exit (default {DEFAULT_STOP_WAIT:g})")
     _add_sub_timeout(p, "how long the holder has to answer")
     p.set_defaults(func=cmd_stop, default_timeout=STATUS_TIMEOUT)
+
+    p = sub.add_parser(
+        "upgrade", help="replace the holder with the installed code, keeping every session",
+        description="Replace the running holder with the code installed now, every session "
+        "intact: its keeper (or systemd) keeps their fds while the old holder finishes the "
+        "handoffs under way and stops, and the new one adopts them. A holder run with "
+        "--bare outside systemd keeps no fd store and is not touched.",
+    )
+    p.add_argument("--wait", type=_positive, default=DEFAULT_STOP_WAIT, metavar="SECONDS",
+                   help=f"how long to wait for the new holder (default {DEFAULT_STOP_WAIT:g})")
+    _add_sub_timeout(p, "how long the holder has to answer")
+    p.set_defaults(func=cmd_upgrade, default_timeout=STATUS_TIMEOUT)
 
     p = sub.add_parser("list", help="list escrowed sessions (every owner's by default)")
     p.add_argument("--owner", metavar="OWNER", help="only this owner's sessions")

@@ -39,7 +39,7 @@ class ServiceFileError(ValueError):
 
 def systemd_service(command: list[str], socket_path: str = SYSTEMD_SOCKET,
                     extra_args: list[str] | None = None) -> str:
-    words = [*command, "--socket", socket_path, *(extra_args or [])]
+    words = [*command, "--bare", "--socket", socket_path, *(extra_args or [])]
     exec_start = shlex.join(
         [_unit_word(words[0], variables=False)] + [_unit_word(w) for w in words[1:]])
     return f"""\
@@ -58,20 +58,28 @@ Type=notify
 NotifyAccess=main
 # The socket comes from escrowd.socket (LISTEN_FDS); --socket must name the same path, so
 # that the lock, the pidfile and `escrowctl status` all refer to the socket clients use.
+# --bare: systemd itself keeps the sessions' fds while no holder runs (no keeper needed).
 ExecStart={exec_start}
 # The pings come from the holder's event loop: a wedged holder stops pinging and is
-# restarted (a watchdog timeout counts as a failure for Restart=on-failure).
+# restarted.
 WatchdogSec=30
 # Only escrowd itself is ever signalled: the children of escrowed sessions belong to their
 # apps (and to the apps' cgroups), and nothing in this unit may kill them by accident.
 KillMode=process
-# A crash or a watchdog timeout restarts the holder; a clean stop (`escrowctl stop`,
-# `systemctl --user stop`, --idle-exit) does not. A stopped holder closes every terminal it
-# holds, so do not stop or restart it while sessions are escrowed (`escrowctl list`).
-Restart=on-failure
-RestartSec=1
-# Give the holder time to end its sessions in order before SIGKILL.
-TimeoutStopSec=10
+# The escrow outlives the holder: every session's PTY master and state file wait in
+# systemd's fd store (the holder stores them with FDSTORE=1, FDPOLL=0) while no holder
+# runs, and the next holder adopts them. Two fds per session, room for the default limit
+# of 2,048 sessions and the holder's own state.
+FileDescriptorStoreMax=4224
+# systemd 254 and later keep the store across a stop too; 252 keeps it across a restart
+# (systemctl restart, Restart=, the watchdog) but drops it on a stop.
+FileDescriptorStorePreserve=yes
+# Any exit restarts the holder, which adopts every stored session: a crash, a watchdog
+# timeout, an upgrade (`systemctl --user restart escrowd`).
+Restart=always
+RestartSec=0.2
+# Give the holder time to finish the handoffs under way and flush its state.
+TimeoutStopSec=20
 
 [Install]
 WantedBy=default.target
