@@ -118,6 +118,7 @@ class Keeper:
         self.stopping = False
         self.upgrading = False
         self.stop_deadline: float | None = None
+        self.preflight: subprocess.Popen[bytes] | None = None  # an upgrade's trial run
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -143,6 +144,7 @@ class Keeper:
                         self._signals(os.read(wake_r, 512))
                     else:
                         self._messages()
+                self._preflight_done()
                 self._reap()
                 self._check_deadlines()
         finally:
@@ -158,6 +160,8 @@ class Keeper:
     def _timeout_ms(self) -> int:
         now = time.monotonic()
         due = [self.restart_at] if self.holder is None else []
+        if self.preflight is not None:
+            due.append(now + 0.05)  # an upgrade's trial run: look again soon
         if self.last_ping is not None:
             due.append(self.last_ping + WATCHDOG_SECONDS)
         if self.stop_deadline is not None:
@@ -201,15 +205,25 @@ class Keeper:
             self.stop_deadline = time.monotonic() + STOP_GRACE
 
     def _upgrade(self) -> None:
-        """Try the installed code first: if it cannot even start, keep the holder we have."""
-        check = subprocess.run([sys.executable, "-m", "escrowd", "--version"],
-                               stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
-                               check=False)
+        """Try the installed code first (`escrowd --version`, run beside the loop, which
+        keeps reading the holder's notifications meanwhile): only if it starts is the
+        holder replaced."""
+        if self.preflight is None:
+            self.preflight = subprocess.Popen(
+                [sys.executable, "-m", "escrowd", "--version"], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def _preflight_done(self) -> None:
+        check = self.preflight
+        if check is None or check.poll() is None:
+            return
+        self.preflight = None
+        out, err = check.communicate()
         if check.returncode != 0:
             log("upgrade_refused", reason="the installed escrowd does not start: "
-                + check.stderr.decode(errors="replace").strip()[-300:])
+                + err.decode(errors="replace").strip()[-300:])
             return
-        log("upgrade", version=check.stdout.decode(errors="replace").strip())
+        log("upgrade", version=out.decode(errors="replace").strip())
         if self.holder is None:
             self.restart_at = 0.0
             return
@@ -226,6 +240,7 @@ class Keeper:
                 return
             if pid != self.holder:
                 continue
+            self._messages()  # everything it sent before it exited still counts
             self._holder_exited(os.waitstatus_to_exitcode(status))
 
     def _holder_exited(self, code: int) -> None:
