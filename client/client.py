@@ -53,8 +53,16 @@ class Retrieved:
 
 @dataclass
 class ReclaimReport:
+    """What `reclaim_all` took back, what it could not, and who answered: an empty report
+    from a holder that started with nothing (`adopted` 0) after restarts (`restarts`,
+    `unclean_restarts` above 0) means the escrow was lost, not that there was none."""
+
     retrieved: dict[str, Retrieved] = field(default_factory=dict)
     failed: dict[str, errors.EscrowError] = field(default_factory=dict)
+    holder_instance: str = ""
+    adopted: int = 0
+    restarts: int = 0
+    unclean_restarts: int = 0
 
 
 class EscrowClient:
@@ -321,6 +329,11 @@ class EscrowClient:
             w = channel.welcome
             self._check_invariant(w, self.timeout)
             self._check_invariant(w, deadline, "reclaim deadline")
+            status, _ = channel.call(protocol.Status(), call)
+            if isinstance(status, protocol.HolderStatus):
+                report.holder_instance, report.adopted = status.instance, status.adopted
+                report.restarts = status.restarts
+                report.unclean_restarts = status.unclean_restarts
             reply, _ = channel.call(protocol.List(), call)
             assert isinstance(reply, protocol.Sessions)
             live = {s.id: s for s in reply.sessions if s.state in protocol.LIVE_STATES}

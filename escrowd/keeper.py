@@ -46,6 +46,7 @@ LISTENER_NAME = "escrowd.socket"  # as systemd names a .socket unit's fd
 WATCHDOG_SECONDS = 30.0  # a holder whose event loop does not ping for this long is killed
 STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
+_RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
 _MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 
 
@@ -115,6 +116,7 @@ class Keeper:
         self.last_ping: float | None = None  # of the running holder, once it is ready
         self.restart_at = 0.0
         self.backoff = _BACKOFF_FIRST
+        self.recent: list[float] = []  # when holders exited, within the last _STABLE seconds
         self.stopping = False
         self.upgrading = False
         self.stop_deadline: float | None = None
@@ -245,6 +247,7 @@ class Keeper:
 
     def _holder_exited(self, code: int) -> None:
         lived = time.monotonic() - self.holder_started
+        was_ready = self.last_ping is not None
         self.holder, self.last_ping, self.stop_deadline = None, None, None
         log("keeper_holder_exited", code=code, lived=round(lived, 3), stored=len(self.store))
         if self.stopping:
@@ -256,9 +259,17 @@ class Keeper:
         if code == 0 and not self.store:
             self.stopping = True  # stopped by itself (--idle-exit) with nothing kept
             return
+        # A holder that died once it served is replaced at once: its sessions wait. Back-off
+        # is for a crash loop: dying before it was ready, or restarts piling up.
+        now = time.monotonic()
+        self.recent = [t for t in self.recent if now - t < _STABLE] + [now]
+        if was_ready and len(self.recent) <= _RESTARTS_AT_ONCE:
+            self.backoff = _BACKOFF_FIRST
+            self.restart_at = now
+            return
         if lived >= _STABLE:
             self.backoff = _BACKOFF_FIRST
-        self.restart_at = time.monotonic() + self.backoff
+        self.restart_at = now + self.backoff
         self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
 
     def _check_deadlines(self) -> None:

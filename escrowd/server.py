@@ -65,6 +65,7 @@ class Holder:
         self.keeper_pid = keeper_pid
         self.store_kind = ("none" if not self.store.enabled
                            else "keeper" if keeper_pid else "systemd")
+        self.lock_fd: int | None = None  # taken only if its keeper dies (see __main__)
         self.started_at = time.time()
         self.connections: set[Connection] = set()
         self.counters: dict[str, int] = {

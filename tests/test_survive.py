@@ -27,6 +27,7 @@ from hostile import numbered_lines, read_more_lines
 
 from conftest import HolderProcess, PtyChild, wait_for
 from escrow_client import EscrowClient, EscrowError, paths, protocol
+from escrow_client.liveness import process_alive, read_lock
 
 TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
 TAIL_BYTES = 200_000
@@ -266,8 +267,9 @@ def test_upgrade_under_load_loses_nothing_and_hands_nothing_off_twice(
         for _ in range(2):
             wait_for(lambda: outcomes.get("ok", 0) >= 10, 30.0, "retrieves under way")
             outcomes["ok"] = 0
-            upgraded = subprocess.run([escrowctl, "--socket", holder.socket, "upgrade"],
-                                      capture_output=True, text=True, timeout=60)
+            upgraded = subprocess.run([escrowctl, "--socket", holder.socket, "upgrade",
+                                       "--wait", "60"], capture_output=True, text=True,
+                                      timeout=90)
             assert upgraded.returncode == 0, upgraded.stderr
             assert "session(s) adopted" in upgraded.stdout
         wait_for(lambda: outcomes.get("ok", 0) >= 10, 30.0, "retrieves after the upgrades")
@@ -289,3 +291,34 @@ def test_upgrade_under_load_loses_nothing_and_hands_nothing_off_twice(
     finally:
         for got in report.retrieved.values():
             os.close(got.fd)
+
+
+def test_the_holder_outlives_its_keeper(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """The keeper SIGKILLed: its stored fds go with it, but the holder has its own copies.
+    It serves on alone, takes the lock (so no second escrowd starts on the path), says
+    `fd_store: none`, and still takes deposits and hands sessions back."""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    kid = pty_children(TICKER)
+    first = read_more_lines(kid.master, b"", 2)
+    client.hand_off("tab", kid.master, child_pid=kid.pid)
+    os.close(kid.master)
+    kid.master = -1
+    serving = serving_pid(holder)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.proc.wait()
+    wait_for(lambda: client.status().fd_store == "none", 10.0, "the holder alone")
+    status = client.status()
+    assert status.pid == serving and status.keeper_pid is None
+    assert read_lock(holder.socket).pid == serving
+    got = client.retrieve("tab")
+    try:
+        assert_one_stream(first, got.replay, read_more_lines(got.fd, b"", 3), None)
+        client.hand_off("tab", got.fd, child_pid=kid.pid)  # deposits work without a store
+    finally:
+        os.close(got.fd)
+    client.release("tab")
+    os.kill(serving, signal.SIGTERM)
+    wait_for(lambda: process_alive(serving, None) is False, 15.0, "the holder to stop")
