@@ -13,6 +13,10 @@ What systemd 252 does (measured here; the journal lines are asserted below):
 - `stop escrowd.service` (or `stop escrowd.socket`, which stops the service through
   Requires=) releases the store: every draining terminal hangs up. 254 and later keep it
   (FileDescriptorStorePreserve=yes).
+- A unit that hits its start limit fails, and a failed unit releases its store: with the
+  default limit (5 starts in 10 s), the fifth `systemctl --user restart` in a row, or a
+  holder that cannot start (a broken upgrade) restarted five times, dropped every session.
+  The service sets StartLimitIntervalSec=0.
 """
 
 from __future__ import annotations
@@ -89,6 +93,12 @@ class Installed:
 
     def journal_lines(self, text: str) -> list[str]:
         return [line for line in self.journal().splitlines() if text in line]
+
+    def releases(self) -> int:
+        """How many times systemd said it released the unit's fd store. (A daemon-reload
+        says it too, freeing the unit once its state and fds are serialized: compare
+        counts across an action without one.)"""
+        return len(self.journal_lines("Releasing all stored fds"))
 
 
 def install(manager: UserManager, edit: Callable[[str], str] | None = None) -> Installed:
@@ -168,6 +178,7 @@ def test_every_kind_of_session_survives_the_holders_sigkill(
     three = start_three_sessions(installed.client(), pty_children, apps, tmp_path)
     before = installed.status()
     assert installed.stored_fds() == 7
+    released = installed.releases()
 
     t0 = time.monotonic()
     manager.systemctl("kill", "-s", "KILL", SERVICE)
@@ -176,7 +187,7 @@ def test_every_kind_of_session_survives_the_holders_sigkill(
     assert_adopted(installed, before, after, 3, clean=False)
     assert installed.show("NRestarts") == {"NRestarts": "1"}
     assert installed.journal_lines("Main process exited, code=killed, status=9/KILL")
-    assert not installed.journal_lines("Releasing all stored fds")
+    assert installed.releases() == released
     print(f"SIGKILL: MainPID {before.pid} -> {after.pid}, adopted {after.adopted}, "
           f"{after.unclean_restarts} unclean restart(s), answering after {took:.2f}s")
 
@@ -195,6 +206,7 @@ def test_restarts_of_the_service_and_of_its_socket_are_clean(
     installed = install(manager)
     started(installed)
     three = start_three_sessions(installed.client(), pty_children, apps, tmp_path)
+    released = installed.releases()
 
     restarts: list[tuple[str, Callable[[], object]]] = [
         ("systemctl --user restart escrowd.service",
@@ -219,9 +231,55 @@ def test_restarts_of_the_service_and_of_its_socket_are_clean(
     # The socket's restart reached the service as a restart (Requires=), never as a stop:
     # the store was never released.
     journal = installed.journal()
-    assert "Releasing all stored fds" not in journal
+    assert installed.releases() == released
     assert journal.count("Installed new job escrowd.service/restart") >= 2, journal[-3000:]
     assert_all_survived(three, clean=True)
+
+
+def test_restarts_in_a_row_and_a_holder_that_cannot_start_keep_the_store(
+    manager: UserManager, pty_children: Callable[..., PtyChild],
+) -> None:
+    """A unit that hits its start limit fails, and a failed unit's store is released. The
+    default limit (5 starts in 10 s) dropped every session on the fifth restart in a row,
+    and when an upgrade installed a holder that cannot start. With StartLimitIntervalSec=0
+    systemd keeps trying, with the fds, until a holder starts."""
+    installed = install(manager)
+    first = started(installed)
+    ticker = pty_children(TICKER)
+    installed.client().hand_off("s", ticker.master, child_pid=ticker.pid)
+    os.close(ticker.master)
+    ticker.master = -1
+
+    for _ in range(6):
+        manager.systemctl("restart", SERVICE)
+    assert installed.show("ActiveState", "NFileDescriptorStore") == {
+        "ActiveState": "active", "NFileDescriptorStore": "3"}
+
+    # A broken upgrade: the installed holder exits at once, over and over.
+    dropin = manager.unit_dir / f"{SERVICE}.d" / "broken.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("[Service]\nExecStart=\nExecStart=/bin/false\n")
+    manager.systemctl("daemon-reload")
+    manager.systemctl("restart", "--no-block", SERVICE)
+
+    def restarted_past_the_default_limit() -> bool:
+        unit = installed.show("NRestarts", "ActiveState", "Result")
+        assert unit["ActiveState"] != "failed", unit
+        return int(unit["NRestarts"]) >= 8
+
+    wait_for(restarted_past_the_default_limit, 15.0,
+             "systemd restarting the broken holder past the default start limit")
+    assert installed.show("NFileDescriptorStore") == {"NFileDescriptorStore": "3"}
+    assert ticker.proc.poll() is None, "the terminal hung up"
+
+    # The fixed upgrade: the next automatic restart runs it, and it adopts the session.
+    dropin.unlink()
+    manager.systemctl("daemon-reload")
+    after = installed.next_holder(first)
+    assert after.adopted == 1 and states(installed.client()) == {"s": "draining"}
+    assert after.unclean_restarts == first.unclean_restarts
+    got = installed.client().retrieve("s")
+    os.close(got.fd)
 
 
 def test_a_stop_of_the_service_on_this_systemd(
@@ -237,6 +295,7 @@ def test_a_stop_of_the_service_on_this_systemd(
     installed.client().hand_off("s", ticker.master, child_pid=ticker.pid)
     os.close(ticker.master)
     ticker.master = -1
+    released = installed.releases()
 
     manager.systemctl("stop", SERVICE)
     assert installed.show("ActiveState") == {"ActiveState": "inactive"}
@@ -246,7 +305,7 @@ def test_a_stop_of_the_service_on_this_systemd(
         assert installed.stored_fds() == 3 and after.adopted == 1
         assert ticker.proc.poll() is None
     else:
-        assert installed.journal_lines("Releasing all stored fds")
+        assert installed.releases() == released + 1
         assert after.adopted == 0 and after.restarts == 0 and installed.stored_fds() == 1
         assert ticker.proc.wait(5) == -signal.SIGHUP  # the terminal hung up
         assert states(installed.client()) == {}
