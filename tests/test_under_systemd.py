@@ -204,7 +204,7 @@ def test_restarts_of_the_service_and_of_its_socket_are_clean(
     which runs it) and a restart of the socket (what a package upgrade may do) each replace
     the holder in order: every session adopted, no restart counted unclean, no gap."""
     installed = install(manager)
-    started(installed)
+    first = started(installed)
     three = start_three_sessions(installed.client(), pty_children, apps, tmp_path)
     released = installed.releases()
 
@@ -233,6 +233,12 @@ def test_restarts_of_the_service_and_of_its_socket_are_clean(
     journal = installed.journal()
     assert installed.releases() == released
     assert journal.count("Installed new job escrowd.service/restart") >= 2, journal[-3000:]
+    # The holder's own state (its restart counts) stays in the store all along: stored once,
+    # by the first holder, and never taken out, not even for a moment while a new holder
+    # adopts (one killed then would leave the store without it).
+    assert [line.split(f"{SERVICE}: ", 1)[1] for line in installed.journal_lines(
+        "FDNAME=holder")] == [
+        f"Got notification message from PID {first.pid} (FDSTORE=1, FDNAME=holder, FDPOLL=0)"]
     assert_all_survived(three, clean=True)
 
 
