@@ -10,6 +10,7 @@ What systemd 252 does (measured here; the journal lines are asserted below):
 - `systemctl --user kill -s KILL escrowd.service`, a watchdog timeout, `restart
   escrowd.service` and `restart escrowd.socket` all keep the fd store: the socket's restart
   is propagated to the service (Requires=) as a restart, not as a stop.
+- `daemon-reload` and `daemon-reexec` keep it too.
 - `stop escrowd.service` (or `stop escrowd.socket`, which stops the service through
   Requires=) releases the store: every draining terminal hangs up. 254 and later keep it
   (FileDescriptorStorePreserve=yes).
@@ -286,6 +287,40 @@ def test_restarts_in_a_row_and_a_holder_that_cannot_start_keep_the_store(
     assert after.unclean_restarts == first.unclean_restarts
     got = installed.client().retrieve("s")
     os.close(got.fd)
+
+
+def test_a_reload_or_reexec_of_the_manager_keeps_the_store(
+    manager: UserManager, pty_children: Callable[..., PtyChild],
+) -> None:
+    """`daemon-reload` (any package that installs units) and `daemon-reexec` (an upgrade of
+    systemd itself) serialize the store and take it back; the running holder's store
+    messages still reach the manager after it re-executed."""
+    installed = install(manager)
+    first = started(installed)
+    tickers = [pty_children(TICKER) for _ in range(2)]
+
+    def hand_off(sid: str, ticker: PtyChild) -> None:
+        installed.client().hand_off(sid, ticker.master, child_pid=ticker.pid)
+        os.close(ticker.master)  # the holder's (and the store's) copies are the only ones
+        ticker.master = -1
+
+    hand_off("a", tickers[0])
+
+    manager.systemctl("daemon-reload")
+    manager.systemctl("daemon-reexec")
+    assert installed.show("MainPID", "NFileDescriptorStore") == {
+        "MainPID": str(first.pid), "NFileDescriptorStore": "3"}
+    hand_off("b", tickers[1])
+    assert installed.stored_fds() == 5
+
+    manager.systemctl("restart", SERVICE)
+    after = installed.next_holder(first)
+    assert_adopted(installed, first, after, 2, clean=True)
+    assert states(installed.client()) == {"a": "draining", "b": "draining"}
+    for ticker in tickers:
+        assert ticker.proc.poll() is None, "a terminal hung up"
+    for sid in ("a", "b"):
+        os.close(installed.client().retrieve(sid).fd)
 
 
 def test_a_stop_of_the_service_on_this_systemd(
