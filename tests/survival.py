@@ -37,15 +37,17 @@ TAIL_EXPECTED = b"".join(f"T{i:018d}\r\n".encode() for i in range(TAIL_BYTES // 
 
 # An app that deposits one session under custody and reads it for as long as it lives,
 # appending what it reads to a file. It prints the child's pid once the deposit is
-# confirmed.
+# confirmed. The child hangs up (and so goes away after a failed test) once nobody keeps
+# its terminal's master.
 APP = textwrap.dedent("""
-    import os, select, subprocess, sys
+    import fcntl, os, select, subprocess, sys, termios
     from escrow_client import EscrowClient
     socket_path, sid, out_path = sys.argv[1:4]
     master, slave = os.openpty()
-    child = subprocess.Popen(
+    child = subprocess.Popen(  # its terminal's session leader: SIGHUP if it hangs up
         ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"],
-        stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
     os.close(slave)
     custody = EscrowClient("com.example.term", socket_path=socket_path).custody()
     custody.deposit(sid, master, child_pid=child.pid)

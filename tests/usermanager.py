@@ -206,8 +206,12 @@ def started() -> Iterator[UserManager]:
     manager: UserManager | None = None
     try:
         for top in slices:
-            (top / "user@0.service").mkdir(parents=True)
-            (top / "journald.scope").mkdir()
+            try:
+                (top / "user@0.service").mkdir(parents=True)
+                (top / "journald.scope").mkdir()
+            except OSError as exc:
+                raise AssertionError(f"cannot make a cgroup for the user manager ({exc}): "
+                                     "it cannot run here") from None
         with open(output_path, "wb") as output:
             proc = subprocess.Popen(
                 ["unshare", "-m", "--propagation", "private", "sh", "-c", _INNER, "inner", lib,
