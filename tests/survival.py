@@ -139,6 +139,8 @@ def assert_all_survived(three: ThreeSessions, clean: bool) -> None:
             assert got.session.replay_gap_at is None
         assert_one_stream(three.first, got.replay, read_more_lines(got.fd, b"", 5),
                           got.session.replay_gap_at)
+        print(f"draining: {len(got.replay)} bytes of replay, replay_gap_at="
+              f"{got.session.replay_gap_at}")
     finally:
         os.close(got.fd)
 
