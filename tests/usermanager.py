@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -62,6 +63,10 @@ ForwardToConsole=no
 ForwardToWall=no
 RateLimitIntervalSec=0
 """
+
+# What the manager logs at debug level about every systemctl call: left out of failures.
+_BUS_CHATTER = re.compile(r"private-bus-connection|bus object implementation|private connection"
+                          r"|Got message type=|Sent message type=|Bus n/a:|sd-bus:")
 
 # Runs in the new mount namespace: starts journald, then becomes the manager itself (so the
 # Popen's pid is the manager's). $1: the systemd directory, $2: the runtime dir, $3: home,
@@ -160,8 +165,9 @@ class UserManager:
         output = self.output_path.read_text(errors="replace")[-4000:]
         journal = ""
         if self.proc.poll() is None:
-            journal = self.run("journalctl", "--no-pager", "-q", "-n", "150", check=False,
-                               timeout=10).stdout
+            lines = self.run("journalctl", "--no-pager", "-q", check=False,
+                             timeout=10).stdout.splitlines()
+            journal = "\n".join([line for line in lines if not _BUS_CHATTER.search(line)][-120:])
         return f"--- manager output ---\n{output}\n--- journal (tail) ---\n{journal}"
 
 
