@@ -49,6 +49,11 @@ def systemd_service(command: list[str], socket_path: str = SYSTEMD_SOCKET,
 Description=fd-escrow holder (escrowd): keeps terminal sessions alive while apps restart
 Requires=escrowd.socket
 After=escrowd.socket
+# No start limit: a unit that hits one fails, and a failed unit's fd store is released with
+# every session in it. The default (5 starts in 10 s) did that to the fifth restart in a
+# row, and to an upgrade whose holder cannot start (measured on systemd 252). Without it,
+# systemd keeps the fds and tries again every RestartSec= until a holder starts.
+StartLimitIntervalSec=0
 
 [Service]
 # escrowd writes READY=1 on $NOTIFY_SOCKET once it serves, STATUS= lines (how many sessions

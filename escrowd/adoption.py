@@ -53,6 +53,7 @@ class Adoption:
     adopted: int = 0  # sessions taken up by this holder
     refused: int = 0  # stored pairs closed as corrupt, unpaired or doubled
     holder_state: StateFile[HolderRecord] | None = None
+    new_holder_state: bool = False  # created by this holder: to be stored
 
 
 async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
@@ -81,7 +82,7 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
         session.persist()
         _resume(holder, session)
         report.adopted += 1
-    if holder.store.enabled and report.holder_state is not None:
+    if holder.store.enabled and report.holder_state is not None and report.new_holder_state:
         await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
     if report.adopted or report.restarts:
         log("adopted", sessions=report.adopted, refused=report.refused,
@@ -91,7 +92,9 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
 
 def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
     """The holder's own state file: count this start, and whether the last holder stopped
-    cleanly. A new one if there was none (or it is unreadable)."""
+    cleanly. A new one if there was none (or it is unreadable). One that was stored stays in
+    the store all along (its record is written in place, in the file the store shares): a
+    holder killed while it adopts must not leave the store without it."""
     state: StateFile[HolderRecord] | None = None
     previous: HolderRecord | None = None
     for fd in fds:
@@ -106,9 +109,10 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
     if state is None:
         if not holder.store.enabled:
             return
+        if fds:
+            holder.store.remove(HOLDER_NAME)  # the unreadable one, replaced below
         state = StateFile.create(HolderRecord, 0, "holder", holder.registry.private_dir)
-    elif fds:
-        holder.store.remove(HOLDER_NAME)  # stored again below, once, with its new record
+        report.new_holder_state = True
     if previous is not None:
         report.restarts = previous.restarts + 1
         report.unclean_restarts = previous.unclean_restarts + (0 if previous.clean else 1)

@@ -264,3 +264,14 @@ def pty_children() -> Iterator[Callable[..., PtyChild]]:
             os.close(child.master)
         except OSError:
             pass
+
+
+@pytest.fixture
+def apps() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts (apps, say): every one still running is killed at teardown."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for app in started:
+        if app.poll() is None:
+            app.kill()
+        app.communicate()

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_survive import assert_one_stream, kill_serving_holder
+from survival import assert_one_stream
+from test_survive import kill_serving_holder
 
 from conftest import HolderProcess, start_holder, wait_for
 from escrow_client import EscrowClient, HolderUnavailable, paths

@@ -94,6 +94,8 @@ def test_units_agree_with_each_other_and_the_cli() -> None:
     assert sock["Socket"]["ListenStream"] == "%t/escrowd/escrowd.sock"
     assert sock["Socket"]["SocketMode"] == "0600" and sock["Socket"]["DirectoryMode"] == "0700"
     assert svc["Unit"]["Requires"] == "escrowd.socket"
+    # A unit that hits a start limit fails and loses its fd store: there is none.
+    assert svc["Unit"]["StartLimitIntervalSec"] == "0"
     assert options_of(argv[1:]) <= escrowd_options()
 
 

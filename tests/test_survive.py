@@ -6,8 +6,9 @@ an exited session's replay, and the holder started again listed nothing; a sessi
 still held lost its protection without anyone being told.
 
 Here `escrowd` runs as users run it: the keeper and its holder, a real process tree. Three
-sessions live through the holder's SIGKILL: one draining (a shell printing numbered lines
-every 20 ms), one exited with a 200 KB tail, and one held by a live app that reads it.
+sessions live through the holder's SIGKILL (tests/survival.py): one draining (a shell
+printing numbered lines every 20 ms), one exited with a 200 KB tail, and one held by a live
+app that reads it. tests/test_systemd_escrow.py does the same under a real systemd.
 """
 
 from __future__ import annotations
@@ -17,45 +18,22 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from hostile import numbered_lines, read_more_lines
+from survival import (
+    TICKER,
+    assert_all_survived,
+    assert_one_stream,
+    assert_still_there,
+    start_three_sessions,
+)
 
 from conftest import HolderProcess, PtyChild, wait_for
-from escrow_client import EscrowClient, EscrowError, paths, protocol
+from escrow_client import EscrowError, paths, protocol
 from escrow_client.liveness import process_alive, read_lock
-
-TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
-TAIL_BYTES = 200_000
-# Prints TAIL_BYTES of numbered 20-byte records, then exits: its whole tail must survive.
-TAIL = ["python3", "-c",
-        f"import sys; sys.stdout.write(''.join(f'T{{i:018d}}\\n' for i in "
-        f"range({TAIL_BYTES} // 20)))"]
-
-# An app that deposits one session under custody and reads it for as long as it lives,
-# appending what it reads to a file (so a test sees exactly what the app saw, even after
-# SIGKILL). It prints the child's pid, then `ready` once the deposit is confirmed.
-APP = textwrap.dedent("""
-    import os, select, subprocess, sys
-    from escrow_client import EscrowClient
-    socket_path, sid, out_path = sys.argv[1:4]
-    master, slave = os.openpty()
-    child = subprocess.Popen(
-        ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"],
-        stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
-    os.close(slave)
-    custody = EscrowClient("com.example.term", socket_path=socket_path).custody()
-    custody.deposit(sid, master, child_pid=child.pid)
-    print(child.pid, flush=True)
-    out = open(out_path, "ab", buffering=0)
-    while True:
-        select.select([master], [], [])
-        out.write(os.read(master, 65536))
-""")
 
 
 def serving_pid(holder: HolderProcess) -> int:
@@ -83,122 +61,17 @@ def kill_serving_holder(holder: HolderProcess) -> protocol.HolderStatus:
     return after
 
 
-def states(client: EscrowClient) -> dict[str, str]:
-    return {s.id: s.state for s in client.list()}
-
-
-@pytest.fixture
-def apps() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for app in started:
-        if app.poll() is None:
-            app.kill()
-        app.communicate()
-
-
 def test_every_kind_of_session_survives_the_holders_sigkill(
     make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
     apps: list[subprocess.Popen[str]], tmp_path: Path,
 ) -> None:
     holder = make_holder(keeper=True)
-    client = holder.client()
-
-    ticker = pty_children(TICKER)
-    first = read_more_lines(ticker.master, b"", 3)  # what the app read before handing off
-    client.hand_off("draining", ticker.master, child_pid=ticker.pid)
-    os.close(ticker.master)
-    ticker.master = -1
-
-    tail = pty_children(TAIL)
-    client.hand_off("exited", tail.master, child_pid=tail.pid)
-    os.close(tail.master)
-    tail.master = -1
-    wait_for(lambda: states(client).get("exited") == "exited", 15.0, "the tail session exited")
-
-    read_by_app = tmp_path / "app.out"
-    app = subprocess.Popen([sys.executable, "-c", APP, holder.socket, "held", str(read_by_app)],
-                           stdout=subprocess.PIPE, text=True)
-    apps.append(app)
-    assert app.stdout is not None
-    held_child = int(app.stdout.readline())
-    wait_for(lambda: states(client).get("held") == "held", 10.0, "the app's deposit")
-    wait_for(lambda: len(numbered_lines(read_by_app.read_bytes())) >= 5, 10.0,
-             "the app reading its own session")
+    three = start_three_sessions(holder.client(), pty_children, apps, tmp_path)
 
     after = kill_serving_holder(holder)
     assert after.adopted == 3, after
-    assert states(client) == {"draining": "draining", "exited": "exited", "held": "held"}
-
-    # The held session: still the app's. The holder does not read it while the app lives.
-    read_before = len(numbered_lines(read_by_app.read_bytes()))
-    wait_for(lambda: len(numbered_lines(read_by_app.read_bytes())) >= read_before + 10, 10.0,
-             "the app still reading after the holder's death")
-    info = next(s for s in client.list() if s.id == "held")
-    assert info.state == "held" and info.buffered_bytes == 0 and info.custodian_pid == app.pid
-
-    # The exited session: its whole tail.
-    got = client.retrieve("exited")
-    try:
-        expected = b"".join(f"T{i:018d}\r\n".encode() for i in range(TAIL_BYTES // 20))
-        assert got.replay == expected, (len(got.replay), len(expected))
-        assert got.session.replay_gap_at is None
-    finally:
-        os.close(got.fd)
-
-    # The draining session: every line from the first the app saw, with at most one gap
-    # (the one read in flight when the holder died), exactly where replay_gap_at says.
-    got = client.retrieve("draining")
-    try:
-        assert got.confirmed
-        assert_one_stream(first, got.replay, read_more_lines(got.fd, b"", 5),
-                          got.session.replay_gap_at)
-    finally:
-        os.close(got.fd)
-
-    # The app dies: now, and not before, the holder drains its session; a new app takes
-    # it back with every line from the first the dead app read.
-    app.kill()
-    app.wait()
-    wait_for(lambda: states(client).get("held") == "draining", 5.0,
-             "the held session draining once its app is dead")
-    got = client.retrieve("held")
-    try:
-        assert got.session.replay_gap_at is None  # this holder read it from the start
-        assert_one_stream(read_by_app.read_bytes(), got.replay,
-                          read_more_lines(got.fd, b"", 5), None)
-    finally:
-        os.close(got.fd)
-        os.kill(held_child, signal.SIGKILL)
-
-
-def assert_one_stream(seen: bytes, replay: bytes, live: bytes, gap_at: int | None) -> None:
-    """What the old app read, the replay and what is read live are one stream of lines
-    L1, L2, ...: no repeat, and no gap but at most one, where `gap_at` says the bytes of one
-    read may be missing (after an unclean stop of the holder)."""
-    if gap_at is None:
-        numbers = _lines(seen + replay + live)
-        assert numbers == list(range(1, len(numbers) + 1)), f"a gap or a repeat: {numbers}"
-        return
-    before = _lines(seen + replay[:gap_at])
-    after = _lines(replay[gap_at:] + live, partial_start=True)
-    assert before == list(range(1, len(before) + 1)), before
-    assert after == list(range(after[0], after[0] + len(after))), after
-    assert after[0] > before[-1], (before[-3:], after[:3])
-    missing = after[0] - before[-1] - 1
-    assert missing * len(b"L99\r\n") <= 8 * 1024, f"{missing} lines missing: more than a read"
-
-
-def _lines(data: bytes, partial_start: bool = False) -> list[int]:
-    chunks = data.split(b"\r\n")
-    if partial_start:
-        chunks = chunks[1:]  # the rest of a line whose start went with the gap
-    chunks = chunks[:-1]  # after the last CR LF: a line still being written (or cut)
-    numbers = []
-    for line in chunks:
-        assert line[:1] == b"L" and line[1:].isdigit(), f"not a numbered line: {line!r}"
-        numbers.append(int(line[1:]))
-    return numbers
+    assert_still_there(three)
+    assert_all_survived(three, clean=False)
 
 
 def test_status_shows_the_pair(make_holder: Callable[..., HolderProcess]) -> None:
