@@ -119,7 +119,10 @@ def test_a_trickle_of_bytes_does_not_keep_a_connection_open(
                 break
             readable, _, _ = select.select([raw.sock], [], [], 0.1)
             if readable:
-                assert raw.sock.recv(65536) == b"", "no answer to an incomplete hello"
+                try:
+                    assert raw.sock.recv(65536) == b"", "no answer to an incomplete hello"
+                except ConnectionResetError:
+                    pass  # closed with our last bytes unread: a reset, not an answer
                 closed_at = time.monotonic() - start
                 break
         assert closed_at is not None, "the holder waited for the whole trickle"
