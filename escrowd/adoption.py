@@ -8,8 +8,8 @@ unpaired, corrupt or doubled is closed, logged and taken out of the store, and t
 adopted all the same. Each session resumes by the state it recorded:
 
 - `draining`: drains on, with its ring. After an unclean stop, one read may have been in
-  flight: the oldest bytes it may have overwritten are dropped, and `replay_gap_at` marks
-  where its bytes would have been.
+  flight: the oldest bytes it may have overwritten (only a ring that could grow no more
+  overwrites) are dropped, and `replay_gap_at` marks where its bytes would have been.
 - `exited`: stays exited, its tail in the ring.
 - `handing_off`: waits for the ack of its recorded handoff (a client may still send it on
   a new connection) until the ack deadline, then drains again.
@@ -133,15 +133,15 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
         _refuse(holder, name, [master], why or "", report)
         return None
     ring = Ring(state.size, holder.registry.budget, state)
-    unclean = not record.clean
+    in_flight = not record.clean and record.state == "draining"
     trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
-                         record.length_at_layout, unclean and record.state == "draining")
+                         record.length_at_layout, in_flight, record.saturated)
     session = Session.adopted(master, ring, record, holder.instance)
-    if unclean and record.state == "draining":
+    if in_flight:
         session.gap_total = ring.total  # the bytes of one read may be missing after here
     holder.registry.live[session.key] = session
     session.persist()
-    session.log("adopted", state=record.state, buffered=ring.size, unclean=unclean,
+    session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session
 

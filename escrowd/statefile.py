@@ -62,8 +62,8 @@ class CorruptState(Exception):
 
 class Record(msgspec.Struct, kw_only=True):
     """What a state file says about its session. New fields get defaults (old files still
-    decode); the ring's layout (`capacity`, `origin`, `total_at_layout`, `length_at_layout`)
-    maps the hot `total` to where the bytes are (see escrowd.ring)."""
+    decode); the ring's layout (`capacity`, `origin`, `total_at_layout`, `length_at_layout`,
+    `saturated`) maps the hot `total` to where the bytes are (see escrowd.ring)."""
 
     token: str
     owner: str
@@ -85,6 +85,7 @@ class Record(msgspec.Struct, kw_only=True):
     origin: int = 0
     total_at_layout: int = 0
     length_at_layout: int = 0
+    saturated: bool = False  # the ring could grow no more: a read may overwrite its oldest
     gap_total: int | None = None  # the byte number after which one read may be missing
     instance: str = ""  # the holder that wrote it
     clean: bool = False  # True only once a holder stopped cleanly after writing it
