@@ -9,7 +9,8 @@ adopted all the same. Each session resumes by the state it recorded:
 
 - `draining`: drains on, with its ring. After an unclean stop, one read may have been in
   flight: the oldest bytes it may have overwritten (only a ring that could grow no more
-  overwrites) are dropped, and `replay_gap_at` marks where its bytes would have been.
+  overwrites) are dropped, and `replay_gap_at` marks where its bytes would have been. The
+  same holds for `handing_off`, whose sweep reads too.
 - `exited`: stays exited, its tail in the ring.
 - `handing_off`: waits for the ack of its recorded handoff (a client may still send it on
   a new connection) until the ack deadline, then drains again.
@@ -133,7 +134,9 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
         _refuse(holder, name, [master], why or "", report)
         return None
     ring = Ring(state.size, holder.registry.budget, state)
-    in_flight = not record.clean and record.state == "draining"
+    # A read may have been in flight when the last holder died: a drain's, or (in
+    # `handing_off`) the sweep's, or a drain's last read as the handoff stopped it.
+    in_flight = not record.clean and record.state in ("draining", "handing_off")
     trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
                          record.length_at_layout, in_flight, record.saturated)
     session = Session.adopted(master, ring, record, holder.instance)
