@@ -226,6 +226,10 @@ class Keeper:
                 return
             if pid != self.holder:
                 continue
+            # What it sent before it died is all queued by now: take it while it is still
+            # the holder (a FDSTORE of a deposit it answered, a FDSTOREREMOVE of a session
+            # it handed off), never refuse it as a stranger's after.
+            self._messages()
             self._holder_exited(os.waitstatus_to_exitcode(status))
 
     def _holder_exited(self, code: int) -> None:
