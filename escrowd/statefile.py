@@ -209,11 +209,17 @@ class StateFile(Generic[R]):
         sequence number of every valid slot."""
         best: tuple[int, R | None] = (0, None)
         for i, (offset, size) in enumerate(_SLOTS):
-            seq, length, crc = _SLOT_HEAD.unpack_from(self._mm, offset)
+            # Read with pread, not through the mapping: a slot never written is a hole, and
+            # touching it through a shared mapping would allocate a page of memory (two per
+            # session, for the big slots) just to read zeros.
+            head = os.pread(self.fd, _SLOT_HEAD.size, offset)
+            if len(head) < _SLOT_HEAD.size:
+                continue
+            seq, length, crc = _SLOT_HEAD.unpack(head)
             if seq == 0 or length > size - _SLOT_HEAD.size:
                 continue
             body_at = offset + _SLOT_HEAD.size
-            payload = bytes(self._mm[body_at : body_at + length])
+            payload = os.pread(self.fd, length, body_at)
             if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
                 continue  # torn, or never finished
             try:
