@@ -56,10 +56,13 @@ class Adoption:
 
 
 async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
-    """Take up every stored session (see the module's docstring), then store the holder's
-    own state file. Runs before the holder accepts its first connection."""
+    """Count this start in the holder's own state file (stored first, if it is new), then
+    take up every stored session (see the module's docstring). Runs before the holder
+    accepts its first connection."""
     report = Adoption(holder.instance)
-    _holder_state(holder, stored.pop(HOLDER_NAME, []), report)
+    if _holder_state(holder, stored.pop(HOLDER_NAME, []), report):
+        assert report.holder_state is not None
+        await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
     for name, fds in stored.items():
         if not name.startswith(SESSION_PREFIX):
             _refuse(holder, name, fds, "not a name this holder stores", report)
@@ -68,17 +71,19 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
         if session is not None:
             _resume(holder, session)
             report.adopted += 1
-    if holder.store.enabled and report.holder_state is not None:
-        await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
     if report.adopted or report.restarts:
         log("adopted", sessions=report.adopted, refused=report.refused,
             restarts=report.restarts, unclean_restarts=report.unclean_restarts)
     return report
 
 
-def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
+def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
     """The holder's own state file: count this start, and whether the last holder stopped
-    cleanly. A new one if there was none (or it is unreadable)."""
+    cleanly. A new one if there was none (or it is unreadable). Returns True when the file
+    must be stored (it is new, or the store had more than one): a file the store already
+    keeps stays there, untouched, and sees the new record (the store's copy is the same
+    file). Taking it out to store it again would lose it, and every count, to a kill in
+    between."""
     state: StateFile[HolderRecord] | None = None
     previous: HolderRecord | None = None
     for fd in fds:
@@ -90,12 +95,13 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
             previous = state.record()
         except CorruptState as exc:
             log("adopt_refused", name=HOLDER_NAME, reason=str(exc))
+    store_it = state is None or len(fds) > 1
+    if store_it and fds:
+        holder.store.remove(HOLDER_NAME)  # unreadable or doubled: stored again, once
     if state is None:
         if not holder.store.enabled:
-            return
+            return False
         state = StateFile.create(HolderRecord, 0, "holder", holder.registry.private_dir)
-    elif fds:
-        holder.store.remove(HOLDER_NAME)  # stored again below, once, with its new record
     if previous is not None:
         report.restarts = previous.restarts + 1
         report.unclean_restarts = previous.unclean_restarts + (0 if previous.clean else 1)
@@ -103,6 +109,7 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
                              restarts=report.restarts,
                              unclean_restarts=report.unclean_restarts))
     report.holder_state = state
+    return store_it and holder.store.enabled
 
 
 def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Session | None:
