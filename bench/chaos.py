@@ -72,6 +72,8 @@ every session. What changes:
   one read may be missing. Every replay's mark is placed in the record, and a break in the
   numbering within a line of a mark, no longer than one read, is a marked gap (counted,
   `marked_gaps`); any other break is a `sequence_gaps` failure.
+- A kill that finds no holder serving (the keeper is between two) waits for the next one and
+  hits it early, often while it adopts (`holder_kills_at_its_start`).
 - fds: the holder's at the end (baseline + 3 per live session, and back to its baseline
   after release), and the keeper's (its baseline + 2 per live session, the master and the
   state file it stores, and back after release), both in `fds_leaked`.
@@ -397,6 +399,7 @@ class HolderKiller:
     def __init__(self, holder: BenchHolder) -> None:
         self.holder = holder
         self.kills = 0
+        self.at_start = 0  # kills that found no holder serving, and hit the next one early
         self.by_phase: dict[str, int] = {}
         self.phase = "start"
         self._due: float | None = None
@@ -422,6 +425,7 @@ class HolderKiller:
         self._thread.join()
 
     def _run(self) -> None:
+        waited = False
         while True:
             with self._cond:
                 while not self._stopped and (
@@ -432,9 +436,12 @@ class HolderKiller:
                 if self._stopped:
                     return
             if self.holder.kill_serving() is None:
+                waited = True
                 time.sleep(0.002)  # between two holders: the next one is coming
                 continue
             with self._cond:
+                self.at_start += waited
+                waited = False
                 self.kills += 1
                 self.by_phase[self.phase] = self.by_phase.get(self.phase, 0) + 1
                 self._due = None
@@ -926,6 +933,7 @@ def run(cycles: int, seed: int, socket_path: str | None = None, sessions: int = 
             gaps = [g for s in chaos.sessions.values() for g in s.check.marked_gaps()]
             result.update(
                 holder_kills=chaos.killer.kills, holder_kills_by_phase=chaos.killer.by_phase,
+                holder_kills_at_its_start=chaos.killer.at_start,
                 kill_every=kill_every, ack_deadline=ack_deadline,
                 gap_marks=sum(s.gap_marks for s in chaos.sessions.values()),
                 marked_gaps=len(gaps), marked_gap_lines_max=max(gaps, default=0),
