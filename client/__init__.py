@@ -1,6 +1,7 @@
 """escrow_client: hand PTY masters to escrowd and take them back (a blocking API)."""
 
-from .client import Custody, EscrowClient, ReclaimReport, Retrieved
+from .client import EscrowClient, ReclaimReport, Retrieved
+from .custody import Custody
 from .errors import (
     AckLate,
     BadRequest,

@@ -134,7 +134,7 @@ class Channel:
             raise self._timed_out("did not answer") from None
         except EOFError:
             raise errors.HolderUnavailable(
-                f"the holder on {self.socket_path} closed the connection"
+                f"the holder on {self.socket_path} closed the connection", dropped=True
             ) from None
         except protocol.ProtocolError as exc:
             raise errors.ProtocolViolation(f"bad frame from the holder: {exc}") from None
@@ -193,6 +193,7 @@ class Channel:
     def _gone(self, exc: OSError) -> errors.EscrowError:
         if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
             return errors.HolderUnavailable(
-                f"the holder on {self.socket_path} closed the connection ({os.strerror(exc.errno)})"
-            )
-        return errors.HolderUnavailable(f"talking to the holder on {self.socket_path}: {exc}")
+                f"the holder on {self.socket_path} closed the connection "
+                f"({os.strerror(exc.errno)})", dropped=True)
+        return errors.HolderUnavailable(f"talking to the holder on {self.socket_path}: {exc}",
+                                        dropped=True)

@@ -54,6 +54,7 @@ STOP_STILL_RUNNING = 5  # SIGTERM was sent, but the holder still ran after --wai
 STOP_NOT_PERMITTED = 6  # the holder's pid may not be signalled by this user: nothing signalled
 
 DEFAULT_STOP_WAIT = 10.0
+DEFAULT_UPGRADE_WAIT = 30.0  # the new code is tried, the old holder winds up, the new adopts
 
 _NAME_RE = re.compile(protocol.NAME_PATTERN)
 
@@ -651,8 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
         "handoffs under way and stops, and the new one adopts them. A holder run with "
         "--bare outside systemd keeps no fd store and is not touched.",
     )
-    p.add_argument("--wait", type=_positive, default=DEFAULT_STOP_WAIT, metavar="SECONDS",
-                   help=f"how long to wait for the new holder (default {DEFAULT_STOP_WAIT:g})")
+    p.add_argument("--wait", type=_positive, default=DEFAULT_UPGRADE_WAIT, metavar="SECONDS",
+                   help="how long to wait for the new holder (default "
+                   f"{DEFAULT_UPGRADE_WAIT:g})")
     _add_sub_timeout(p, "how long the holder has to answer")
     p.set_defaults(func=cmd_upgrade, default_timeout=STATUS_TIMEOUT)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from . import autostart, breaker, errors, protocol
 from .channel import Channel, Deadline
+from .custody import Custody
 from .fdpass import close_fds
 from .liveness import process_alive
 from .paths import resolve_socket_path
@@ -29,6 +30,7 @@ DEFAULT_RECLAIM_DEADLINE = 8.0
 # How long reclaim_all retries custody_held before it believes another live instance holds
 # the session (an old instance that is exiting lets go within this).
 DEFAULT_CUSTODY_GRACE = 1.0
+_RETRY_PAUSE = 0.05  # between tries at a holder that is restarting
 
 
 @dataclass
@@ -51,23 +53,16 @@ class Retrieved:
 
 @dataclass
 class ReclaimReport:
+    """What `reclaim_all` took back, what it could not, and who answered: an empty report
+    from a holder that started with nothing (`adopted` 0) after restarts (`restarts`,
+    `unclean_restarts` above 0) means the escrow was lost, not that there was none."""
+
     retrieved: dict[str, Retrieved] = field(default_factory=dict)
     failed: dict[str, errors.EscrowError] = field(default_factory=dict)
-
-
-# Custody sockets must not outlive the app in a forked child: if a child kept one open,
-# the holder would never see the app die and would never start draining.
-# A strong set: custody lasts until close() or the process ends, never merely until the
-# Custody object is garbage-collected.
-_custody_channels: set[Channel] = set()
-
-
-def _close_custody_in_child() -> None:
-    for channel in list(_custody_channels):
-        channel.close()
-
-
-os.register_at_fork(after_in_child=_close_custody_in_child)
+    holder_instance: str = ""
+    adopted: int = 0
+    restarts: int = 0
+    unclean_restarts: int = 0
 
 
 class EscrowClient:
@@ -156,10 +151,25 @@ class EscrowClient:
         rows: int = 0,
         meta: dict[str, str] | None = None,
     ) -> None:
-        """Deposit `fd` and end custody at once: when this returns, the holder is draining.
-        `fd` stays open in the caller, which must not read it again and should close it."""
-        with self.custody() as custody:
-            custody.deposit(session_id, fd, child_pid, label, cols, rows, meta)
+        """Deposit `fd` and end custody at once: when this returns, the holder has
+        confirmed it is draining. `fd` stays open in the caller, which must not read it
+        again and should close it. Raises if the holder did not confirm; then the caller
+        still owns its terminal.
+
+        A holder restarting under the call (an upgrade: `busy`, or a connection that
+        dropped) is asked again within the timeout: a deposit the old holder had taken is
+        resumed by the new one, never doubled."""
+        deadline = Deadline(self.timeout)
+        while True:
+            try:
+                with self.custody() as custody:
+                    custody.deposit(session_id, fd, child_pid, label, cols, rows, meta)
+                return
+            except (errors.Busy, errors.HolderUnavailable) as exc:
+                restarting = isinstance(exc, errors.Busy) or exc.dropped
+                if not restarting or deadline.remaining() <= _RETRY_PAUSE:
+                    raise
+                time.sleep(_RETRY_PAUSE)
 
     # --- retrieving -----------------------------------------------------------------------
 
@@ -319,6 +329,11 @@ class EscrowClient:
             w = channel.welcome
             self._check_invariant(w, self.timeout)
             self._check_invariant(w, deadline, "reclaim deadline")
+            status, _ = channel.call(protocol.Status(), call)
+            if isinstance(status, protocol.HolderStatus):
+                report.holder_instance, report.adopted = status.instance, status.adopted
+                report.restarts = status.restarts
+                report.unclean_restarts = status.unclean_restarts
             reply, _ = channel.call(protocol.List(), call)
             assert isinstance(reply, protocol.Sessions)
             live = {s.id: s for s in reply.sessions if s.state in protocol.LIVE_STATES}
@@ -390,48 +405,6 @@ class EscrowClient:
         """Tell the holder to drop its copy of a session (the user closed it)."""
         with self._channel() as channel:
             channel.call(protocol.Release(id=session_id), Deadline(self.timeout))
-
-
-class Custody:
-    """A custodian connection. Resource handling: closing it (or the process dying) ends
-    custody of every session deposited through it; the holder starts draining them."""
-
-    def __init__(self, client: EscrowClient, channel: Channel) -> None:
-        self._client = client
-        self._channel = channel
-        _custody_channels.add(channel)
-
-    def deposit(
-        self,
-        session_id: str,
-        fd: int,
-        child_pid: int | None = None,
-        label: str = "",
-        cols: int = 0,
-        rows: int = 0,
-        meta: dict[str, str] | None = None,
-    ) -> None:
-        """Give the holder a duplicate of `fd` (a PTY master). The caller keeps reading its
-        own copy while this custody lasts; the holder does not touch it."""
-        message = protocol.Deposit(
-            id=session_id, label=label, child_pid=child_pid, cols=cols, rows=rows,
-            meta=meta or {},
-        )
-        self._channel.call(message, Deadline(self._client.timeout), fd=fd)
-
-    def release(self, session_id: str) -> None:
-        self._channel.call(protocol.Release(id=session_id), Deadline(self._client.timeout))
-
-    def close(self) -> None:
-        """End custody and wait until the holder is draining what it held."""
-        _custody_channels.discard(self._channel)
-        self._channel.finish(Deadline(self._client.timeout))
-
-    def __enter__(self) -> Custody:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _custodian_dead(info: protocol.SessionInfo) -> bool:

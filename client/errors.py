@@ -78,7 +78,16 @@ class AckLate(EscrowError):
 
 
 class HolderUnavailable(EscrowError):
+    """`dropped` is True when a connection was made and then ended under the call (the
+    holder stopped or restarted meanwhile), False when nothing was listening at all."""
+
     code = "unavailable"
+
+    def __init__(
+        self, message: str, session_id: str | None = None, *, dropped: bool = False
+    ) -> None:
+        super().__init__(message, session_id)
+        self.dropped = dropped
 
 
 class HolderUnresponsive(EscrowError):

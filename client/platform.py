@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import select
 import socket
 import struct
 import sys
@@ -24,6 +25,9 @@ SEND_FLAGS: int = getattr(socket, "MSG_NOSIGNAL", 0)
 RECV_FLAGS: int = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 # Linux: a datagram socket with this option is told each sender's pid (SCM_CREDENTIALS).
 PASSCRED: int | None = getattr(socket, "SO_PASSCRED", None)
+# poll() events that say a stream peer has shut down its side (Linux tells it apart from
+# unread data with POLLRDHUP; elsewhere POLLHUP is all there is).
+PEER_HUNG_UP: int = getattr(select, "POLLRDHUP", 0) | select.POLLHUP
 
 _TIOCGPTN = 0x80045430  # Linux: the pty number of a master; fails on anything else
 _TIOCGPTPEER = 0x5441  # Linux 4.13+: an fd for the slave of a master

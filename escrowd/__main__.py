@@ -20,8 +20,9 @@ from escrow_client import paths
 from . import __version__, keeper
 from .config import Config, MiB
 from .fdstore import FdStore
-from .lifecycle import StartupError, claimed
+from .lifecycle import StartupError, claimed, take_lock
 from .log import log
+from .pidwatch import wait_exit
 from .server import Holder
 from .service import (
     ActivationError,
@@ -106,6 +107,8 @@ async def _run(config: Config, passed: Passed, keeper_pid: int | None) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_signals, holder)
+                if keeper_pid is not None:
+                    nursery.start_soon(_outlive_keeper, holder, keeper_pid)
                 await nursery.start(_serve_then_stop, holder, listener, passed.stored,
                                     nursery.cancel_scope)
                 log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__,
@@ -141,6 +144,22 @@ async def _serve_then_stop(
     if holder.idle_exited:
         _stopping(holder, "idle exit")
     scope.cancel()  # stop watching signals and pinging the watchdog too
+
+
+async def _outlive_keeper(holder: Holder, keeper_pid: int) -> None:
+    """The keeper died (its fds, and every stored session's, with it): serve on alone. The
+    holder takes the lock, so no second escrowd starts on this path, and answers deposits
+    without a store: its sessions live as long as it does."""
+    await wait_exit(keeper_pid, None)
+    holder.store.close()
+    holder.keeper_pid, holder.store_kind = None, "none"
+    try:
+        holder.lock_fd = take_lock(holder.config.socket_path)
+    except StartupError as exc:
+        log("keeper_gone", keeper_pid=keeper_pid, reason=f"serving on without a store; {exc}")
+        return
+    log("keeper_gone", keeper_pid=keeper_pid,
+        reason="serving on alone, without a store: sessions now die with this holder")
 
 
 async def _watch_signals(holder: Holder) -> None:

@@ -31,6 +31,7 @@ import trio
 
 from escrow_client.fdpass import close_fds
 from escrow_client.platform import is_pty_master
+from escrow_client.protocol import TOMBSTONE_STATES
 
 from .fdstore import HOLDER_NAME, SESSION_PREFIX, session_name
 from .log import log
@@ -63,14 +64,27 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
     if _holder_state(holder, stored.pop(HOLDER_NAME, []), report):
         assert report.holder_state is not None
         await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
+    found: dict[tuple[str, str], Session] = {}
     for name, fds in stored.items():
         if not name.startswith(SESSION_PREFIX):
             _refuse(holder, name, fds, "not a name this holder stores", report)
             continue
         session = _pair(holder, name, fds, report)
-        if session is not None:
-            _resume(holder, session)
-            report.adopted += 1
+        if session is None:
+            continue
+        other = found.get(session.key)
+        if other is not None:
+            # Two stored sessions under one key: the newer deposit is the live one.
+            older, session = sorted((other, session), key=lambda s: s.deposited_at)
+            older.close()
+            _refuse(holder, session_name(older.token), [], f"an older deposit of "
+                    f"{older.name} left in the store", report)
+        found[session.key] = session
+    for session in found.values():
+        holder.registry.live[session.key] = session
+        session.persist()
+        _resume(holder, session)
+        report.adopted += 1
     if report.adopted or report.restarts:
         log("adopted", sessions=report.adopted, refused=report.refused,
             restarts=report.restarts, unclean_restarts=report.unclean_restarts)
@@ -134,8 +148,8 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
         why = "the state file has no valid record"
     elif session_name(record.token) != name:
         why = f"the state file belongs to {session_name(record.token)}"
-    elif (record.owner, record.id) in holder.registry.live:
-        why = f"a second stored session {record.owner}/{record.id}"
+    elif record.state in TOMBSTONE_STATES:
+        why = f"{record.owner}/{record.id} ended ({record.state}) before its fds left the store"
     if why is not None or record is None:
         state.close()
         _refuse(holder, name, [master], why or "", report)
@@ -149,8 +163,6 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
     session = Session.adopted(master, ring, record, holder.instance)
     if in_flight:
         session.gap_total = ring.total  # the bytes of one read may be missing after here
-    holder.registry.live[session.key] = session
-    session.persist()
     session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session

@@ -58,6 +58,8 @@ class FdStore:
 
     def __init__(self, address: str | None) -> None:
         self.sock: socket.socket | None = None
+        self._pending: list[str] = []  # removals the manager's queue had no room for yet
+        self._more = trio.Event()
         if not address or not address.startswith(("/", "@")):
             return
         target = "\0" + address[1:] if address.startswith("@") else address
@@ -84,16 +86,44 @@ class FdStore:
         await self._send(message, fds)
 
     def remove(self, name: str) -> None:
-        """Drop every fd stored under `name` (the session ended). Best effort and
-        immediate: a removal that cannot be sent leaves fds the next holder closes as
-        unpaired."""
+        """Drop every fd stored under `name` (the session ended). Sent now if the manager's
+        queue has room (a Unix datagram queue holds as few as 10), else queued and sent by
+        `keep_removing` as soon as it does: a removal is never dropped while this holder
+        runs. (If it dies first, its state file says the session ended, and the next
+        holder closes what it finds.)"""
         if self.sock is None:
             return
-        try:
-            self.sock.sendmsg([f"FDSTOREREMOVE=1\nFDNAME={name}".encode()], [], SEND_FLAGS)
-        except OSError as exc:
-            log("fd_store", action="remove", name=name, error=errno.errorcode.get(
-                exc.errno or 0, str(exc)), reason="could not send FDSTOREREMOVE")
+        self._pending.append(name)
+        self._send_pending()
+        if self._pending:
+            self._more.set()
+
+    async def keep_removing(self) -> None:
+        """Send queued removals as the manager takes them (a task for the holder's life)."""
+        assert self.sock is not None or not self._pending
+        while True:
+            await self._more.wait()
+            self._more = trio.Event()
+            while self._pending and self.sock is not None:
+                await trio.lowlevel.wait_writable(self.sock)
+                self._send_pending()
+
+    def _send_pending(self) -> None:
+        while self._pending and self.sock is not None:
+            name = self._pending[0]
+            try:
+                self.sock.sendmsg([f"FDSTOREREMOVE=1\nFDNAME={name}".encode()], [],
+                                  SEND_FLAGS)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log("fd_store", action="remove", name=name, error=errno.errorcode.get(
+                    exc.errno or 0, str(exc)), reason="could not send FDSTOREREMOVE")
+            self._pending.pop(0)
+
+    @property
+    def removals_pending(self) -> int:
+        return len(self._pending)
 
     async def _send(self, message: bytes, fds: list[int]) -> None:
         assert self.sock is not None

@@ -46,6 +46,7 @@ LISTENER_NAME = "escrowd.socket"  # as systemd names a .socket unit's fd
 WATCHDOG_SECONDS = 30.0  # a holder whose event loop does not ping for this long is killed
 STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
+_RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
 _MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 
 
@@ -115,9 +116,11 @@ class Keeper:
         self.last_ping: float | None = None  # of the running holder, once it is ready
         self.restart_at = 0.0
         self.backoff = _BACKOFF_FIRST
+        self.recent: list[float] = []  # when holders exited, within the last _STABLE seconds
         self.stopping = False
         self.upgrading = False
         self.stop_deadline: float | None = None
+        self.preflight: subprocess.Popen[bytes] | None = None  # an upgrade's trial run
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -143,6 +146,7 @@ class Keeper:
                         self._signals(os.read(wake_r, 512))
                     else:
                         self._messages()
+                self._preflight_done()
                 self._reap()
                 self._check_deadlines()
         finally:
@@ -158,6 +162,8 @@ class Keeper:
     def _timeout_ms(self) -> int:
         now = time.monotonic()
         due = [self.restart_at] if self.holder is None else []
+        if self.preflight is not None:
+            due.append(now + 0.05)  # an upgrade's trial run: look again soon
         if self.last_ping is not None:
             due.append(self.last_ping + WATCHDOG_SECONDS)
         if self.stop_deadline is not None:
@@ -201,15 +207,25 @@ class Keeper:
             self.stop_deadline = time.monotonic() + STOP_GRACE
 
     def _upgrade(self) -> None:
-        """Try the installed code first: if it cannot even start, keep the holder we have."""
-        check = subprocess.run([sys.executable, "-m", "escrowd", "--version"],
-                               stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
-                               check=False)
+        """Try the installed code first (`escrowd --version`, run beside the loop, which
+        keeps reading the holder's notifications meanwhile): only if it starts is the
+        holder replaced."""
+        if self.preflight is None:
+            self.preflight = subprocess.Popen(
+                [sys.executable, "-m", "escrowd", "--version"], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def _preflight_done(self) -> None:
+        check = self.preflight
+        if check is None or check.poll() is None:
+            return
+        self.preflight = None
+        out, err = check.communicate()
         if check.returncode != 0:
             log("upgrade_refused", reason="the installed escrowd does not start: "
-                + check.stderr.decode(errors="replace").strip()[-300:])
+                + err.decode(errors="replace").strip()[-300:])
             return
-        log("upgrade", version=check.stdout.decode(errors="replace").strip())
+        log("upgrade", version=out.decode(errors="replace").strip())
         if self.holder is None:
             self.restart_at = 0.0
             return
@@ -226,14 +242,12 @@ class Keeper:
                 return
             if pid != self.holder:
                 continue
-            # What it sent before it died is all queued by now: take it while it is still
-            # the holder (a FDSTORE of a deposit it answered, a FDSTOREREMOVE of a session
-            # it handed off), never refuse it as a stranger's after.
-            self._messages()
+            self._messages()  # everything it sent before it exited still counts
             self._holder_exited(os.waitstatus_to_exitcode(status))
 
     def _holder_exited(self, code: int) -> None:
         lived = time.monotonic() - self.holder_started
+        was_ready = self.last_ping is not None
         self.holder, self.last_ping, self.stop_deadline = None, None, None
         log("keeper_holder_exited", code=code, lived=round(lived, 3), stored=len(self.store))
         if self.stopping:
@@ -245,9 +259,17 @@ class Keeper:
         if code == 0 and not self.store:
             self.stopping = True  # stopped by itself (--idle-exit) with nothing kept
             return
+        # A holder that died once it served is replaced at once: its sessions wait. Back-off
+        # is for a crash loop: dying before it was ready, or restarts piling up.
+        now = time.monotonic()
+        self.recent = [t for t in self.recent if now - t < _STABLE] + [now]
+        if was_ready and len(self.recent) <= _RESTARTS_AT_ONCE:
+            self.backoff = _BACKOFF_FIRST
+            self.restart_at = now
+            return
         if lived >= _STABLE:
             self.backoff = _BACKOFF_FIRST
-        self.restart_at = time.monotonic() + self.backoff
+        self.restart_at = now + self.backoff
         self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
 
     def _check_deadlines(self) -> None:

@@ -96,9 +96,11 @@ class Registry:
         tombstone. The drain must have been stopped first."""
         assert self.live.get(session.key) is session, "bury only the live session itself"
         info = session.info()
+        # The state file says it ended before the store is told to drop it: a holder that
+        # finds it stored anyway (the removal did not get out) knows not to adopt it.
+        session.set_state(state, reason)
         self.store.remove(session_name(session.token))
         session.close()
-        session.set_state(state, reason)
         info.state = state  # type: ignore[assignment]
         info.state_since = session.state_since
         info.buffered_bytes = 0

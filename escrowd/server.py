@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import select
 import time
 import traceback
 import uuid
@@ -22,7 +23,12 @@ import trio
 from escrow_client import protocol
 from escrow_client.fdpass import TruncatedFds
 from escrow_client.liveness import process_start_time
-from escrow_client.platform import is_pty_master, open_fd_count, terminal_identity
+from escrow_client.platform import (
+    PEER_HUNG_UP,
+    is_pty_master,
+    open_fd_count,
+    terminal_identity,
+)
 
 from . import __version__, handoff
 from .adoption import Adoption, adopt
@@ -59,6 +65,7 @@ class Holder:
         self.keeper_pid = keeper_pid
         self.store_kind = ("none" if not self.store.enabled
                            else "keeper" if keeper_pid else "systemd")
+        self.lock_fd: int | None = None  # taken only if its keeper dies (see __main__)
         self.started_at = time.time()
         self.connections: set[Connection] = set()
         self.counters: dict[str, int] = {
@@ -99,6 +106,8 @@ class Holder:
             nursery.start_soon(self._accept_loop, listener)
             nursery.start_soon(self._expire_unclaimed)
             nursery.start_soon(self._idle_exit)
+            if self.store.enabled:
+                nursery.start_soon(self.store.keep_removing)
             task_status.started()
             await self._stop_requested.wait()
             await self._stop_in_order()
@@ -118,6 +127,10 @@ class Holder:
         with trio.move_on_after(limit):
             while any(s.state == "handing_off" and not s.adopted_handoff
                       for s in self.registry.live.values()):
+                await trio.sleep(0.01)
+        self._end_custody_already_ended()
+        with trio.move_on_after(self.config.send_deadline):
+            while self.store.removals_pending:  # the store forgets what has ended
                 await trio.sleep(0.01)
 
     def _flush(self) -> None:
@@ -407,6 +420,13 @@ class Holder:
             if not is_pty_master(fd):
                 raise RegistryError("not_a_terminal", "the deposited fd is not a PTY master")
             terminal = _terminal(fd)
+            held = self.registry.get(conn.owner, request.id)
+            if held is not None and _resumes(held, conn, terminal):
+                os.close(fd)  # the holder has this terminal already
+                held.take_custody(conn, "custody resumed by its app on a new connection")
+                conn.custodian = True
+                await conn.send(protocol.Deposited(id=request.id))
+                return
             self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
             custodian_start = _start_time(conn.peer_pid)
@@ -439,6 +459,18 @@ class Holder:
         conn.custodian = True
         self.counters["deposits"] += 1
         await conn.send(protocol.Deposited(id=request.id))
+
+    def _end_custody_already_ended(self) -> None:
+        """Stopping: a custodian that has already hung up (an app handing off right now)
+        ended its custody, even if its connection task will not get to read that: its
+        sessions go to the next holder as draining, not held."""
+        for conn in list(self.connections):
+            if conn.custodian and _peer_hung_up(conn):
+                self.stopping = False  # _end_custody's own check: this one really ends
+                try:
+                    self._end_custody(conn)
+                finally:
+                    self.stopping = True
 
     def _end_custody(self, conn: Connection) -> None:
         """The custodian is gone: everything it still held starts draining (unless the
@@ -557,6 +589,22 @@ def _open_reserve() -> int | None:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _resumes(session: Session, conn: Connection, terminal: tuple[int, int] | None) -> bool:
+    """A deposit that takes custody back rather than escrowing anew: the session is held by
+    nobody connected (the holder restarted and adopted it), and the deposit comes from the
+    same process, with the same terminal (DESIGN §11, "Custody survives too")."""
+    return (session.state == "held" and session.custodian is None
+            and session.custodian_pid == conn.peer_pid
+            and terminal is not None and terminal == session.terminal)
+
+
+def _peer_hung_up(conn: Connection) -> bool:
+    """True if the peer has shut down its side, even with requests still unread."""
+    poller = select.poll()
+    poller.register(conn.sock.fileno(), PEER_HUNG_UP)
+    return any(event & PEER_HUNG_UP for _, event in poller.poll(0))
 
 
 def _terminal(fd: int) -> tuple[int, int] | None:

@@ -7,7 +7,6 @@ Everything here is a no-op outside systemd: with no `NOTIFY_SOCKET` nothing is s
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
@@ -132,9 +131,11 @@ def passed_fds(expected_path: str | None = None) -> Passed:
     for i in range(n):
         fd = SD_LISTEN_FDS_START + i
         if is_store_name(labels[i]):
-            passed.stored.setdefault(labels[i], []).append(fd)
-            with contextlib.suppress(OSError):
+            try:
                 os.set_inheritable(fd, False)
+            except OSError:
+                continue  # not open: never ours to close later (its number may be reused)
+            passed.stored.setdefault(labels[i], []).append(fd)
         else:
             listeners.append(fd)
     if len(listeners) > 1:

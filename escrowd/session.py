@@ -117,6 +117,15 @@ class Session:
         ring.on_layout = self.persist
         return self
 
+    def take_custody(self, custodian: object, reason: str) -> None:
+        """A held session's app is back on a new connection: it is the custodian again,
+        and the watch on its old process (an adopted session's) ends."""
+        self.custodian = custodian
+        if self.watch_scope is not None:
+            self.watch_scope.cancel()
+        self.persist()
+        self.log("custody", reason=reason, custodian_pid=self.custodian_pid)
+
     def persist(self, clean: bool = False) -> None:
         """Write this session's record into its state file (DESIGN §11): what a holder
         that adopts it needs. `clean` only when this holder stops cleanly."""

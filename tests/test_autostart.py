@@ -139,9 +139,9 @@ def test_autostart_spawns_a_detached_holder(
                 assert os.readlink(f"/proc/{process}/fd/{n}") == "/dev/null", f"fd {n}"
             leaked = {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (leak_r, leak_w)}
             assert not leaked & _fd_identities(process), "the app's pipe was inherited"
-        wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) == normal.baseline_fds,
+        wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= normal.baseline_fds,
                  what=f"autostarted holder's fds ({len(os.listdir(f'/proc/{pid}/fd'))}) "
-                 f"equal to a normally started holder's ({normal.baseline_fds})")
+                 f"no more than a normally started holder's ({normal.baseline_fds})")
 
         argv = _cmdline(keeper)
         assert argv[1:5] == ["-m", "escrowd", "--socket", auto_socket], argv

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import pytest
 from hostile import numbered_lines, read_more_lines
 
 from conftest import HolderProcess, PtyChild, wait_for
-from escrow_client import EscrowClient, paths, protocol
+from escrow_client import EscrowClient, EscrowError, paths, protocol
+from escrow_client.liveness import process_alive, read_lock
 
 TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
 TAIL_BYTES = 200_000
@@ -212,3 +214,111 @@ def test_status_shows_the_pair(make_holder: Callable[..., HolderProcess]) -> Non
     assert shown["holder"]["keeper_pid"] == holder.pid == shown["keeper"]["pid"]
     assert shown["evidence"]["lock_holder_pid"] == holder.pid
     assert shown["holder"]["fd_store"] == "keeper"
+
+
+def test_upgrade_under_load_loses_nothing_and_hands_nothing_off_twice(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """`escrowctl upgrade`, twice, while 20 sessions drain and a client retrieves and hands
+    back one session after another in a loop: every retrieve completes or fails with a
+    clean error (its session still retrievable), each session's output runs 1, 2, 3, ...
+    across every retrieve with no gap and no repeat (a clean restart marks no gap), and no
+    handoff is confirmed twice."""
+    holder = make_holder(keeper=True)
+    client = holder.client(timeout=5.0)
+    sessions = [f"tab-{n}" for n in range(20)]
+    streams: dict[str, bytearray] = {}
+    for sid in sessions:
+        kid = pty_children(TICKER)
+        streams[sid] = bytearray(read_more_lines(kid.master, b"", 1))
+        client.hand_off(sid, kid.master, child_pid=kid.pid)
+        os.close(kid.master)
+        kid.master = -1
+
+    stop = threading.Event()
+    outcomes: dict[str, int] = {}
+    handoff_ids: list[str] = []
+
+    def cycle() -> None:
+        n = 0
+        while not stop.is_set():
+            sid = sessions[n % len(sessions)]
+            n += 1
+            try:
+                got = client.retrieve(sid)
+            except EscrowError as exc:
+                outcomes[exc.code] = outcomes.get(exc.code, 0) + 1
+                continue
+            try:
+                assert got.confirmed, sid
+                handoff_ids.append(got.handoff_id)
+                assert got.session.replay_gap_at is None, (sid, got.session)
+                streams[sid] += got.replay
+                streams[sid][:] = read_more_lines(got.fd, bytes(streams[sid]), 1)
+                client.hand_off(sid, got.fd, child_pid=got.session.child_pid)
+                outcomes["ok"] = outcomes.get("ok", 0) + 1
+            finally:
+                os.close(got.fd)
+
+    worker = threading.Thread(target=cycle)
+    worker.start()
+    try:
+        escrowctl = str(Path(sys.executable).parent / "escrowctl")
+        for _ in range(2):
+            wait_for(lambda: outcomes.get("ok", 0) >= 10, 30.0, "retrieves under way")
+            outcomes["ok"] = 0
+            upgraded = subprocess.run([escrowctl, "--socket", holder.socket, "upgrade",
+                                       "--wait", "60"], capture_output=True, text=True,
+                                      timeout=90)
+            assert upgraded.returncode == 0, upgraded.stderr
+            assert "session(s) adopted" in upgraded.stdout
+        wait_for(lambda: outcomes.get("ok", 0) >= 10, 30.0, "retrieves after the upgrades")
+    finally:
+        stop.set()
+        worker.join(30)
+    status = client.status()
+    assert status.restarts == 2 and status.unclean_restarts == 0, status
+    assert len(handoff_ids) == len(set(handoff_ids)), "a handoff confirmed twice"
+    assert set(outcomes) <= {"ok", "busy", "unavailable", "unresponsive"}, outcomes
+    report = client.reclaim_all()
+    try:
+        assert report.failed == {} and sorted(report.retrieved) == sorted(sessions)
+        for sid, got in report.retrieved.items():
+            stream = bytes(streams[sid]) + got.replay
+            stream = read_more_lines(got.fd, stream, 1)
+            numbers = numbered_lines(stream)
+            assert numbers == list(range(1, len(numbers) + 1)), (sid, numbers)
+    finally:
+        for got in report.retrieved.values():
+            os.close(got.fd)
+
+
+def test_the_holder_outlives_its_keeper(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """The keeper SIGKILLed: its stored fds go with it, but the holder has its own copies.
+    It serves on alone, takes the lock (so no second escrowd starts on the path), says
+    `fd_store: none`, and still takes deposits and hands sessions back."""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    kid = pty_children(TICKER)
+    first = read_more_lines(kid.master, b"", 2)
+    client.hand_off("tab", kid.master, child_pid=kid.pid)
+    os.close(kid.master)
+    kid.master = -1
+    serving = serving_pid(holder)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.proc.wait()
+    wait_for(lambda: client.status().fd_store == "none", 10.0, "the holder alone")
+    status = client.status()
+    assert status.pid == serving and status.keeper_pid is None
+    assert read_lock(holder.socket).pid == serving
+    got = client.retrieve("tab")
+    try:
+        assert_one_stream(first, got.replay, read_more_lines(got.fd, b"", 3), None)
+        client.hand_off("tab", got.fd, child_pid=kid.pid)  # deposits work without a store
+    finally:
+        os.close(got.fd)
+    client.release("tab")
+    os.kill(serving, signal.SIGTERM)
+    wait_for(lambda: process_alive(serving, None) is False, 15.0, "the holder to stop")

@@ -1,0 +1,301 @@
+"""Custody: the app keeps its sessions escrowed for as long as it runs, and knows whether
+they are (DESIGN §3, §11 "Custody survives too").
+
+A `Custody` is a custodian connection: sessions deposited through it stay `held` (the app is
+their reader) until it closes, by `close()` or the process dying; then the holder drains
+them. It keeps a duplicate of every master it deposited (one extra fd per session in the
+app), so that it can give it again.
+
+A watcher thread polls the connection for hang-up (it never reads, so it steals no reply
+from a call in flight). When the holder goes away (a crash, an upgrade), the sessions are
+unprotected: `protected` turns False and `on_change` callbacks run. The watcher reconnects
+with back-off and takes custody back: a session the new holder adopted is resumed (a
+deposit from the same process and the same terminal), one it does not know is deposited
+again from the kept duplicate. Then `protected` is True again.
+
+Forking: a child of the app never holds custody (DESIGN §3): at fork, the child closes every
+custody socket and kept duplicate, and runs no watcher (threads do not survive fork).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import errors, protocol
+from .channel import Channel, Deadline
+from .platform import PEER_HUNG_UP
+
+if TYPE_CHECKING:
+    from .client import EscrowClient
+
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+
+# Strong references: custody lasts until close() or the process ends, never merely until
+# the Custody object is garbage-collected.
+_open: set[Custody] = set()
+
+
+def _forget_in_child() -> None:
+    for custody in list(_open):
+        custody._drop_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+@dataclass
+class _Kept:
+    """A deposited session: the request that deposited it, and our duplicate of its master."""
+
+    deposit: protocol.Deposit
+    fd: int
+
+
+class Custody:
+    """Resource handling: owns its connection, the duplicates it keeps and its watcher
+    thread; `close()` ends custody (and raises if the holder did not confirm it), or the
+    process ending does."""
+
+    def __init__(self, client: EscrowClient, channel: Channel) -> None:
+        self._client = client
+        self._channel: Channel | None = channel
+        self._lock = threading.RLock()  # one call at a time on the connection
+        self._kept: dict[str, _Kept] = {}
+        self._callbacks: list[Callable[[bool], None]] = []
+        self._protected = True
+        self._closing = False
+        self._wake_r, self._wake_w = os.pipe()
+        _open.add(self)
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self),),
+                                         name="escrow-custody", daemon=True)
+        self._watcher.start()
+
+    # --- what the app calls ------------------------------------------------------------------
+
+    def deposit(
+        self,
+        session_id: str,
+        fd: int,
+        child_pid: int | None = None,
+        label: str = "",
+        cols: int = 0,
+        rows: int = 0,
+        meta: dict[str, str] | None = None,
+    ) -> None:
+        """Give the holder a duplicate of `fd` (a PTY master). The caller keeps reading its
+        own copy while this custody lasts; the holder does not touch it."""
+        message = protocol.Deposit(id=session_id, label=label, child_pid=child_pid, cols=cols,
+                                   rows=rows, meta=meta or {})
+        kept = os.dup(fd)  # close-on-exec, as every fd Python makes
+        try:
+            with self._lock:
+                self._call(message, fd)
+                self._kept[session_id] = _Kept(message, kept)
+        except BaseException:
+            os.close(kept)
+            raise
+
+    def release(self, session_id: str) -> None:
+        """The user closed the session: the holder drops its copy."""
+        with self._lock:
+            self._call(protocol.Release(id=session_id))
+            kept = self._kept.pop(session_id, None)
+        if kept is not None:
+            os.close(kept.fd)
+
+    @property
+    def protected(self) -> bool:
+        """True only while every session deposited here is escrowed right now (the holder
+        that holds them is connected to this custody)."""
+        return self._protected
+
+    def on_change(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(protected)` from the watcher thread each time protection lapses
+        (the holder went away) and each time it comes back."""
+        self._callbacks.append(callback)
+
+    def fileno(self) -> int:
+        """The custody connection's fd, for an app that watches it in its own loop: it
+        turns readable (hang-up) when the holder goes away. It changes when custody is
+        taken back on a new connection; -1 while there is none."""
+        channel = self._channel
+        return channel.sock.fileno() if channel is not None else -1
+
+    def close(self) -> None:
+        """End custody: the holder starts draining every session held here. Returns once
+        the holder has confirmed it (a holder that restarted meanwhile is asked again), and
+        raises HolderUnavailable if it cannot be confirmed within the client's timeout:
+        then the sessions may still be held by nobody, or not escrowed at all."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        os.write(self._wake_w, b"x")
+        self._watcher.join()
+        _open.discard(self)
+        try:
+            self._end_and_confirm()
+        finally:
+            for kept in self._kept.values():
+                os.close(kept.fd)
+            self._kept.clear()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> Custody:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- the connection ------------------------------------------------------------------------
+
+    def _call(self, message: protocol.Message, fd: int | None = None) -> protocol.Response:
+        if self._channel is None:
+            raise errors.HolderUnavailable(
+                f"custody of {self._client.owner} is being taken back from a holder that went "
+                "away; ask again in a moment")
+        reply, _ = self._channel.call(message, Deadline(self._client.timeout), fd=fd)
+        return reply
+
+    def _end_and_confirm(self) -> None:
+        deadline = Deadline(self._client.timeout)
+        pause = _BACKOFF_FIRST
+        while True:
+            if self._channel is not None:
+                self._channel.finish(deadline)
+                self._channel = None
+            unconfirmed = self._still_held(deadline)
+            if not unconfirmed:
+                return
+            if deadline.remaining() <= 0:
+                raise errors.HolderUnavailable(
+                    f"the holder did not confirm the end of custody of "
+                    f"{', '.join(sorted(unconfirmed))}: they may still be held by nobody")
+            # The holder restarted before it saw the end: take custody back, end it again.
+            time.sleep(min(pause, max(deadline.remaining(), 0)))
+            pause = min(pause * 2, _BACKOFF_MAX)
+            try:
+                self._channel = self._reconnect(deadline, only=unconfirmed)
+            except errors.EscrowError:
+                continue
+
+    def _still_held(self, deadline: Deadline) -> set[str]:
+        """Sessions of ours the holder says are still held by this process (or that it
+        cannot be asked about). Empty: custody has ended for all of them."""
+        if not self._kept:
+            return set()
+        try:
+            with self._client._channel(deadline) as channel:
+                reply, _ = channel.call(protocol.List(), deadline)
+            assert isinstance(reply, protocol.Sessions)
+            listed = {s.id: s for s in reply.sessions}
+        except errors.EscrowError:
+            return set(self._kept)
+        return {sid for sid in self._kept
+                if (info := listed.get(sid)) is not None and info.state == "held"
+                and info.custodian_pid == os.getpid()}
+
+    def _reconnect(self, deadline: Deadline, only: set[str] | None = None) -> Channel:
+        """A new custody connection that holds every kept session again (or `only` those):
+        resumed where the holder has them held, deposited again where it does not."""
+        channel = self._client._connect(deadline)
+        try:
+            for sid, kept in list(self._kept.items()):
+                if only is not None and sid not in only:
+                    continue
+                try:
+                    channel.call(kept.deposit, deadline, fd=kept.fd)
+                except errors.SessionExists:
+                    # Escrowed, but not held for us (draining, say): not ours to take.
+                    continue
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    # --- the watcher -----------------------------------------------------------------------------
+
+    def _set_protected(self, protected: bool) -> None:
+        if protected == self._protected:
+            return
+        self._protected = protected
+        for callback in list(self._callbacks):
+            try:
+                callback(protected)
+            except Exception:  # an app's callback must not stop the watcher
+                pass
+
+    def _drop_in_child(self) -> None:
+        """After fork, in the child: this custody is the parent's. Close our copies of its
+        socket and duplicates; the child never sends a byte on them."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        for kept in self._kept.values():
+            try:
+                os.close(kept.fd)
+            except OSError:
+                pass
+        self._kept.clear()
+        self._closing = True
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _open.discard(self)
+
+
+def _watch(ref: weakref.ref[Custody]) -> None:
+    """The watcher thread: wait for the connection to hang up (or for close()); then take
+    custody back, with back-off, until it is back or custody is closed."""
+    while True:
+        custody = ref()
+        if custody is None or custody._closing:
+            return
+        channel, wake = custody._channel, custody._wake_r
+        del custody
+        if channel is not None:
+            poller = select.poll()
+            poller.register(channel.sock.fileno(), PEER_HUNG_UP)
+            poller.register(wake, select.POLLIN)
+            events = dict(poller.poll())
+            if wake in events:
+                return
+        custody = ref()
+        if custody is None or custody._closing:
+            return
+        with custody._lock:
+            if custody._closing:
+                return
+            if custody._channel is channel and channel is not None:
+                channel.close()
+                custody._channel = None
+        custody._set_protected(False)
+        pause = _BACKOFF_FIRST
+        while not custody._closing:
+            try:
+                with custody._lock:
+                    if custody._closing:
+                        return
+                    custody._channel = custody._reconnect(Deadline(custody._client.timeout))
+                break
+            except errors.EscrowError:
+                if _wait(custody._wake_r, pause):
+                    return
+                pause = min(pause * 2, _BACKOFF_MAX)
+        custody._set_protected(True)
+        del custody
+
+
+def _wait(wake: int, seconds: float) -> bool:
+    """Sleep up to `seconds`; True if close() woke us instead."""
+    return bool(select.select([wake], [], [], seconds)[0])

@@ -1,0 +1,259 @@
+"""Custody survives the holder (DESIGN §11, "Custody survives too").
+
+Incident pinned: SIGKILL the holder while an app holds custody of a session, start a new
+holder, and the app was none the wiser: the new holder listed nothing, the app learnt only
+on its next call, `custody.close()` returned normally, and when the app later crashed its
+shells died. Here a real app process holds custody and does nothing after its deposit: its
+`Custody` notices the hang-up by itself, tells the app (`on_change`), and takes custody
+back on the new holder, resumed or deposited again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from test_survive import assert_one_stream, kill_serving_holder
+
+from conftest import HolderProcess, start_holder, wait_for
+from escrow_client import EscrowClient, HolderUnavailable, paths
+
+# An app: a shell printing numbered lines in a PTY, deposited under custody; then it only
+# reads the terminal (into a file) and reports every protection change, one JSON line
+# each on stdout: {"protected": bool, "t": time}.
+APP = textwrap.dedent("""
+    import json, os, select, subprocess, sys, time
+    from escrow_client import EscrowClient
+    socket_path, sid, out_path = sys.argv[1:4]
+    master, slave = os.openpty()
+    child = subprocess.Popen(
+        ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"],
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    custody = EscrowClient("com.example.term", socket_path=socket_path).custody()
+    custody.on_change(lambda protected: print(json.dumps(
+        {"protected": protected, "t": time.time()}), flush=True))
+    custody.deposit(sid, master, child_pid=child.pid)
+    print(json.dumps({"child": child.pid}), flush=True)
+    out = open(out_path, "ab", buffering=0)
+    while True:
+        select.select([master], [], [])
+        out.write(os.read(master, 65536))
+""")
+
+
+class App:
+    def __init__(self, socket_path: str, sid: str, out: Path) -> None:
+        self.out = out
+        self.proc = subprocess.Popen([sys.executable, "-c", APP, socket_path, sid, str(out)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.child = json.loads(self.proc.stdout.readline())["child"]
+
+    def next_change(self) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the app ended"
+        change: dict[str, object] = json.loads(line)
+        return change
+
+    def kill(self) -> None:
+        """SIGKILL the app (as a crash would): its shell lives on, escrowed."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.communicate()
+
+    def end(self) -> None:
+        self.kill()
+        try:
+            os.kill(self.child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def apps() -> Iterator[list[App]]:
+    started: list[App] = []
+    yield started
+    for app in started:
+        app.end()
+
+
+def held_by(client: EscrowClient, sid: str, pid: int) -> bool:
+    try:
+        return any(s.id == sid and s.state == "held" and s.custodian_pid == pid
+                   for s in client.list())
+    except Exception:
+        return False
+
+
+def test_custody_is_resumed_on_the_restarted_holder_by_itself(
+    make_holder: Callable[..., HolderProcess], apps: list[App], tmp_path: Path,
+) -> None:
+    """The holder's serving process is SIGKILLed and the keeper starts the next: within
+    5 s the session is held again by the same app, which made no call; `on_change` said
+    False within a second of the death and True once custody was back. Then the app dies,
+    the session drains, and a fresh process retrieves it with every line from the first
+    the app read."""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    app = App(holder.socket, "tab", tmp_path / "app.out")
+    apps.append(app)
+    wait_for(lambda: held_by(client, "tab", app.proc.pid), 10.0, "the app's custody")
+
+    killed_at = time.time()
+    kill_serving_holder(holder)
+    lapsed = app.next_change()
+    assert lapsed["protected"] is False and float(lapsed["t"]) - killed_at < 1.0, lapsed  # type: ignore[arg-type]
+    back = app.next_change()
+    assert back["protected"] is True, back
+    print(f"custody resumed {float(back['t']) - killed_at:.3f}s after the holder's death")  # type: ignore[arg-type]
+    assert float(back["t"]) - killed_at < 5.0  # type: ignore[arg-type]
+    assert held_by(client, "tab", app.proc.pid)
+    assert " reason=\"custody resumed by its app" in holder.logs()
+
+    app.kill()
+    wait_for(lambda: any(s.id == "tab" and s.state == "draining" for s in client.list()),
+             5.0, "draining once the app is dead")
+    got = client.retrieve("tab")
+    try:
+        from hostile import read_more_lines
+        assert_one_stream(app.out.read_bytes(), got.replay, read_more_lines(got.fd, b"", 5),
+                          got.session.replay_gap_at)
+    finally:
+        os.close(got.fd)
+
+
+def test_after_a_total_loss_the_app_deposits_its_session_again(
+    socket_dir: Path, apps: list[App], tmp_path: Path,
+) -> None:
+    """The holder and its keeper are both SIGKILLed (every stored fd is gone with them),
+    and a new escrowd is started by hand: within 5 s the app has deposited its session
+    again, from the duplicate its Custody kept; when the app dies later, nothing of the
+    output from its first read on is lost."""
+    directory = socket_dir / "loss"
+    first = start_holder(directory, keeper=True)
+    app = App(first.socket, "tab", tmp_path / "app.out")
+    apps.append(app)
+    wait_for(lambda: held_by(first.client(), "tab", app.proc.pid), 10.0, "the app's custody")
+    record = paths.read_pidfile(first.socket)
+    assert record is not None
+    os.kill(first.pid, signal.SIGKILL)  # the keeper
+    os.kill(record.pid, signal.SIGKILL)  # and its holder
+    first.proc.wait()
+    lost_at = time.time()
+    assert app.next_change()["protected"] is False
+    second = start_holder(directory, keeper=True)
+    try:
+        back = app.next_change()
+        assert back["protected"] is True
+        print(f"deposited again {float(back['t']) - lost_at:.3f}s after the loss")  # type: ignore[arg-type]
+        assert float(back["t"]) - lost_at < 5.0  # type: ignore[arg-type]
+        client = second.client()
+        assert held_by(client, "tab", app.proc.pid)
+        report = client.reclaim_all(deadline=6.0)  # another instance holds it: refused
+        assert report.adopted == 0 and report.restarts == 0, report
+        app.kill()
+        wait_for(lambda: any(s.id == "tab" and s.state == "draining" for s in client.list()),
+                 5.0, "draining once the app is dead")
+        got = client.retrieve("tab")
+        try:
+            from hostile import read_more_lines
+            assert_one_stream(app.out.read_bytes(), got.replay,
+                              read_more_lines(got.fd, b"", 5), None)
+        finally:
+            os.close(got.fd)
+    finally:
+        second.stop()
+
+
+def test_reclaim_tells_a_lost_escrow_from_an_empty_one(
+    make_holder: Callable[..., HolderProcess],
+) -> None:
+    """After a total loss `reclaim_all` finds nothing, as when nothing was escrowed; its
+    report says which holder answered and what it started with, so an app can tell its
+    user "the holder restarted and had nothing of yours" from "you had no sessions"."""
+    holder = make_holder(keeper=True)
+    report = holder.client().reclaim_all()
+    status = holder.client().status()
+    assert report.retrieved == {} and report.failed == {}
+    assert report.holder_instance == status.instance and report.adopted == 0
+    kill_serving_holder(holder)
+    report = holder.client().reclaim_all()
+    assert report.holder_instance != status.instance
+    assert report.restarts == 1 and report.unclean_restarts == 1
+
+
+def test_close_raises_when_the_holder_cannot_confirm_the_end_of_custody(
+    make_holder: Callable[..., HolderProcess],
+) -> None:
+    """Incident pinned: `custody.close()` returned normally after the holder had died, so
+    an app handing off before it exits believed the holder was draining. A holder that
+    took the deposit and died for good before the end of custody (a bare holder: no store,
+    nobody restarts it): close() raises, and the caller still owns its terminal. hand_off
+    to a holder already gone raises too."""
+    holder = make_holder()
+    master, slave = os.openpty()
+    try:
+        client = EscrowClient("com.example.term", socket_path=holder.socket, timeout=1.0)
+        custody = client.custody()
+        custody.deposit("tab", master)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.proc.wait()
+        with pytest.raises(HolderUnavailable) as unconfirmed:
+            custody.close()
+        assert "did not confirm the end of custody of tab" in str(unconfirmed.value)
+        with pytest.raises(HolderUnavailable):
+            client.hand_off("tab", master)
+        assert os.isatty(master)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+FORKER = textwrap.dedent("""
+    import json, os, sys, threading
+    from escrow_client import EscrowClient
+    socket_path = sys.argv[1]
+    master, slave = os.openpty()
+    custody = EscrowClient("com.example.term", socket_path=socket_path).custody()
+    custody.deposit("tab", master)
+    parent = {"fileno": custody.fileno(), "threads": threading.active_count()}
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+        sockets = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")
+                   and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")]
+        os.write(w, json.dumps({"threads": threading.active_count(), "sockets": sockets,
+                                "fileno": custody.fileno()}).encode())
+        os._exit(0)
+    os.close(w)
+    child = json.loads(os.read(r, 65536))
+    os.waitpid(pid, 0)
+    print(json.dumps({"parent": parent, "child": child}))
+    custody.close()
+""")
+
+
+def test_a_forked_child_holds_no_custody_and_runs_no_watcher(holder: HolderProcess) -> None:
+    """The forked-child rule still holds with the watcher running: the child has none of
+    the custody's sockets (so it cannot keep custody alive after the app dies) and no
+    watcher thread."""
+    result = subprocess.run([sys.executable, "-c", FORKER, holder.socket],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["parent"]["fileno"] >= 0 and seen["parent"]["threads"] >= 2
+    assert seen["child"]["sockets"] == [] and seen["child"]["fileno"] == -1, seen
+    assert seen["child"]["threads"] == 1

@@ -1,0 +1,188 @@
+"""The fd store as the holder speaks to it, with the test as the service manager (DESIGN §11).
+
+The test owns `$NOTIFY_SOCKET`, as systemd would: it receives every `FDSTORE=1` message
+with its fds, and starts the next holder with them in `LISTEN_FDS`/`LISTEN_FDNAMES`. So it
+can check what goes into the store, and hand a holder a store it has spoilt on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import OWNER, HolderProcess, PtyChild, wait_for
+from escrow_client import EscrowClient, fdpass
+
+TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
+
+# Places the given fds at 3, 4, ... and execs escrowd --bare with LISTEN_* naming them.
+LAUNCH = textwrap.dedent("""
+    import fcntl, os, sys
+    fds = [int(fd) for fd in sys.argv[1].split(",")] if sys.argv[1] else []
+    names = sys.argv[2]
+    # Out of the way first (above every target), so that no dup2 overwrites one still needed.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + len(fds)) for fd in fds]
+    for n, fd in enumerate(high):
+        os.dup2(fd, 3 + n)
+    env = dict(os.environ, LISTEN_FDS=str(len(fds)), LISTEN_PID=str(os.getpid()),
+               LISTEN_FDNAMES=names)
+    os.execve(sys.executable, [sys.executable, "-m", "escrowd", "--bare", *sys.argv[3:]], env)
+""")
+
+
+class Store:
+    """The test's fd store: a datagram socket bound where $NOTIFY_SOCKET points.
+    Resource handling: every fd it received is closed by `close()`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.fds: dict[str, list[int]] = {}
+        self.removed: list[str] = []
+
+    def take(self, timeout: float = 0.0) -> None:
+        """Everything sent so far (waiting up to `timeout` for the first datagram)."""
+        select.select([self.sock], [], [], timeout)
+        self.sock.setblocking(False)
+        while True:
+            try:
+                data, anc, flags, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+            except BlockingIOError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines()
+                          if "=" in line)
+            fds = fdpass.fds_from_ancillary(anc, flags)
+            if fields.get("FDSTORE") == "1":
+                self.fds.setdefault(fields["FDNAME"], []).extend(fds)
+                assert fields.get("FDPOLL") == "0", fields  # a hung-up master must stay
+            else:
+                fdpass.close_fds(fds)
+            if fields.get("FDSTOREREMOVE") == "1":
+                self.removed.append(fields["FDNAME"])
+                fdpass.close_fds(self.fds.pop(fields["FDNAME"], []))
+
+    def close(self) -> None:
+        for fds in self.fds.values():
+            fdpass.close_fds(fds)
+        self.sock.close()
+
+
+@pytest.fixture
+def store(socket_dir: Path) -> Iterator[Store]:
+    s = Store(str(socket_dir / "notify"))
+    yield s
+    s.close()
+
+
+def start(directory: Path, store: Store, passed: list[tuple[str, int]]) -> HolderProcess:
+    """A bare holder on `directory/escrowd.sock`, told of `store`, passed `passed`."""
+    directory.mkdir(mode=0o700, exist_ok=True)
+    sock = str(directory / "escrowd.sock")
+    log_path = directory / f"escrowd-{len(os.listdir(directory))}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LISTEN_", "WATCHDOG_"))}
+    env["NOTIFY_SOCKET"] = store.path
+    fds = [fd for _, fd in passed]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH, ",".join(map(str, fds)),
+             ":".join(name for name, _ in passed), "--socket", sock],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=fds, env=env)
+    holder = HolderProcess(sock, proc, log_path)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"escrowd exited with {proc.returncode}: {holder.logs()}")
+        return " event=ready " in holder.logs()
+
+    wait_for(ready, 15.0, "escrowd to be ready")
+    return holder
+
+
+def test_a_deposit_is_answered_only_once_its_fds_are_stored(
+    socket_dir: Path, store: Store, pty_children: Callable[..., PtyChild],
+) -> None:
+    """`deposited` comes after the store message: by then the master and the state file
+    are both in the store under one name, with FDPOLL=0. A session that ends (released)
+    leaves the store at once (FDSTOREREMOVE)."""
+    holder = start(socket_dir / "a", store, [])
+    try:
+        kid = pty_children(TICKER)
+        with holder.client().custody() as custody:
+            custody.deposit("tab", kid.master, child_pid=kid.pid)
+            store.take()  # no waiting: it is there already
+            names = [n for n in store.fds if n.startswith("session-")]
+            assert len(names) == 1, store.fds
+            kinds = sorted(os.readlink(f"/proc/self/fd/{fd}").split(":")[0]
+                           for fd in store.fds[names[0]])
+            assert kinds == ["/dev/ptmx", "/memfd"], kinds
+            custody.release("tab")
+        store.take(timeout=5.0)
+        assert store.removed == names and names[0] not in store.fds
+    finally:
+        holder.stop()
+
+
+def test_corrupt_or_unpaired_state_is_closed_and_logged_and_the_rest_adopted(
+    socket_dir: Path, store: Store, pty_children: Callable[..., PtyChild],
+) -> None:
+    """A store spoilt four ways: a state file whose header fails its checksum, a master
+    without its state file, a state file without its master, and a name that is not ours.
+    Each is closed, logged (`adopt_refused`) and taken out of the store; the one good
+    session is adopted, drains on, and is retrieved whole."""
+    first = start(socket_dir / "a", store, [])
+    kids = [pty_children(TICKER) for _ in range(4)]
+    client = first.client()
+    for n, kid in enumerate(kids):
+        client.hand_off(f"tab-{n}", kid.master, child_pid=kid.pid)
+    store.take(timeout=5.0)
+    tokens = {info.id: info for info in client.list()}
+    assert set(tokens) == {f"tab-{n}" for n in range(4)}
+    names = sorted(n for n in store.fds if n.startswith("session-"))
+    assert len(names) == 4
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait()
+
+    def parts(name: str) -> tuple[int, int]:
+        master, state = sorted(store.fds[name], key=lambda fd: "memfd" in os.readlink(
+            f"/proc/self/fd/{fd}"))
+        return master, state
+
+    good, spoilt, no_state, no_master = names
+    os.pwrite(parts(spoilt)[1], b"\xff", 20)  # inside the checksummed header
+    passed = [(good, fd) for fd in store.fds[good]]
+    passed += [(spoilt, fd) for fd in store.fds[spoilt]]
+    passed += [(no_state, parts(no_state)[0])]
+    passed += [("session-orphan", parts(no_master)[1])]
+    passed += [("holder", fd) for fd in store.fds.get("holder", [])]
+    junk = os.open(os.devnull, os.O_RDONLY)
+    passed += [("session-junk", junk)]
+    second = start(socket_dir / "b", store, passed)
+    os.close(junk)
+    try:
+        refused = {line.split(" name=")[1].split()[0]: line
+                   for line in second.log_lines("adopt_refused")}
+        assert set(refused) == {spoilt, no_state, "session-orphan", "session-junk"}, refused
+        assert "checksum" in refused[spoilt]
+        status = second.client("escrowctl").status()
+        assert status.adopted == 1 and status.unclean_restarts == 1
+        listed = {s.id: s.state for s in second.client().list()}
+        assert list(listed.values()) == ["draining"], listed
+        store.take(timeout=5.0)
+        assert {spoilt, no_state, "session-orphan", "session-junk"} <= set(store.removed)
+        # Only the good pair's fds (and the holder's own state) are in the holder.
+        got = EscrowClient(OWNER, socket_path=second.socket).reclaim_all()
+        assert len(got.retrieved) == 1 and got.failed == {}
+        for r in got.retrieved.values():
+            os.close(r.fd)
+    finally:
+        second.stop()
