@@ -57,7 +57,7 @@ def main() -> int:
             assert before is not None
             killed = time.time()
             os.kill(before.pid, signal.SIGKILL)
-            after = _until(lambda instance=before.instance: _newer(admin, instance))
+            after = _until(lambda old=before.instance: _newer(admin, old))
             answered.append(after - killed)
             assert json.loads(app.stdout.readline())["protected"] is False
             back = json.loads(app.stdout.readline())

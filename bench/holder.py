@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from escrow_client import EscrowClient, EscrowError
+from escrow_client import EscrowClient, EscrowError, paths
 
 READY_TIMEOUT = 30.0  # a cold start on a loaded CI machine can take seconds
 
@@ -44,13 +44,20 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str,
 class BenchHolder:
     """The holder under test: `escrowd` started on a socket in a temporary directory (its
     log in there, or at `log_path`), or, given `socket_path`, one already serving it, which
-    is used as it is and never stopped. Ready (answering `status`) once constructed."""
+    is used as it is and never stopped. Ready (answering `status`) once constructed.
+
+    By default the bare holder (`escrowd --bare`: one process, no fd store unless `env`
+    names a $NOTIFY_SOCKET). With `keeper`, `escrowd` as users run it: the keeper (`proc`)
+    and the holder it runs as its child, which is the process that serves (`pid`, named by
+    the pidfile `<socket>.pid`) and the one `kill_serving` SIGKILLs."""
 
     def __init__(self, socket_path: str | None = None, args: Sequence[str] = (),
-                 log_path: str | None = None, name: str = "bench") -> None:
+                 log_path: str | None = None, name: str = "bench", keeper: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.directory: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: str | None = None
+        self.keeper = keeper
         self.startup_s = 0.0  # from exec to answering `status`; 0 for someone else's
         if socket_path is not None:
             self.socket = socket_path
@@ -63,9 +70,10 @@ class BenchHolder:
         self.admin = EscrowClient(f"bench.{name}.admin", socket_path=self.socket)
         start = time.perf_counter()
         with open(self.log_path, "wb") as log:
+            bare = [] if keeper else ["--bare"]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "escrowd", "--bare", "--socket", self.socket, *args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                [sys.executable, "-m", "escrowd", *bare, "--socket", self.socket, *args],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
         try:
             proc = self.proc
             # A fine poll: run.py reports this start-up time.
@@ -87,10 +95,56 @@ class BenchHolder:
 
     @property
     def pid(self) -> int:
+        """The process that serves: the holder (under the keeper, its current child)."""
         assert self.proc is not None, "someone else's holder: its pid is not ours to read"
+        if not self.keeper:
+            return self.proc.pid
+        pid = wait_for(self.serving_pid, READY_TIMEOUT, "a holder under the keeper")
+        return int(pid)
+
+    @property
+    def keeper_pid(self) -> int:
+        assert self.proc is not None and self.keeper, "no keeper of ours"
         return self.proc.pid
 
+    def serving_pid(self) -> int | None:
+        """The pid the pidfile names, if that process runs now, started when the pidfile
+        says, and (under the keeper) is the keeper's child; else None (no holder serves:
+        the keeper is between two holders, or the holder is still starting)."""
+        assert self.proc is not None, "someone else's holder: its pid is not ours to read"
+        if not self.keeper:
+            return self.proc.pid if self.proc.poll() is None else None
+        record = paths.read_pidfile(self.socket)
+        if record is None:
+            return None
+        try:
+            proc = psutil.Process(record.pid)
+            if proc.ppid() != self.proc.pid or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            if record.start_time and abs(proc.create_time() - record.start_time) > 0.01:
+                return None  # the pid was reused (the pidfile is a dead holder's)
+        except psutil.Error:
+            return None
+        return record.pid
+
+    def kill_serving(self) -> int | None:
+        """SIGKILL the serving holder (under the keeper, which starts the next one), if one
+        runs now; returns its pid, or None when none did."""
+        pid = self.serving_pid()
+        if pid is None:
+            return None
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return pid
+
+    def keeper_fds(self) -> int:
+        """The keeper's open fds (its own, and every fd in its store)."""
+        return len(os.listdir(f"/proc/{self.keeper_pid}/fd"))
+
     def alive(self) -> bool:
+        """The holder (under the keeper: the keeper, which keeps a holder running)."""
         if self.proc is not None:
             return self.proc.poll() is None
         return self._answers()

@@ -13,6 +13,13 @@
 4. scale: 1,000 draining sessions with 64 KiB of replay each: holder RSS, open fds, CPU over
    idle seconds, and the time to reclaim them all.
 5. start-up: from exec to the socket answering `status`, against `python -c pass`.
+6. restart: `escrowd` as users run it (the keeper and its holder) with 1,000 draining
+   sessions of 64 KiB of replay: from the SIGKILL of the serving holder to `status` answering
+   from the next one with all 1,000 adopted, against a cold start of the pair to `status`
+   and the same SIGKILL with no session.
+7. deposit: a deposit under custody (hello done, one connection), p50 and p99, by a holder
+   with a fd store (under the keeper: `deposited` only after the FDSTORE message) against the
+   bare holder with none, interleaved.
 
 Baselines are C (compiled into a temp dir now) when a compiler is present, else Python.
 Medians over repeats; the drain ratios are medians over interleaved pairs of runs. It
@@ -40,7 +47,7 @@ from typing import Any
 
 from holder import BenchHolder, wait_for
 
-from escrow_client import EscrowClient
+from escrow_client import EscrowClient, EscrowError
 from escrow_client.fdpass import ANCILLARY_SPACE, rights
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -478,6 +485,142 @@ def bench_startup(repeats: int) -> dict[str, Any]:
     }
 
 
+# --- 6. restart under the keeper -------------------------------------------------------------
+
+
+def log_times(log_path: str, after: float) -> dict[str, float]:
+    """From the log, after `after`: when the keeper saw its holder exit and started the
+    next one, and when that one was listening, had adopted and was ready."""
+    times: dict[str, float] = {}
+    with open(log_path, errors="replace") as log:
+        for line in log:
+            fields = dict(part.split("=", 1) for part in line.split()[:3] if "=" in part)
+            ts, event = float(fields.get("ts", 0)), fields.get("event", "")
+            if ts < after:
+                continue
+            if event == "keeper_holder_exited" and not times:
+                times = {"exited": ts}
+            elif event == "keeper_started_holder" and "started" not in times:
+                times["started"] = ts
+            elif event in ("listening", "ready") and "started" in times:
+                times.setdefault(event, ts)
+            elif event == "adopted" and " sessions=" in line and "started" in times:
+                times.setdefault("adopted", ts)
+    return times
+
+
+def kill_to_status_ms(pair: BenchHolder, expect: int) -> tuple[float, dict[str, float]]:
+    """SIGKILL the serving holder; the time until `status` answers from the next one, which
+    must have adopted `expect` sessions. Also the phases of the restart, from the log."""
+    client = EscrowClient("bench.restart.admin", socket_path=pair.socket, timeout=60.0)
+    before = client.status()
+    pid = pair.serving_pid()
+    assert pid is not None
+    wall = time.time()
+    start = time.perf_counter()
+    os.kill(pid, 9)
+    while True:
+        try:
+            status = client.status()  # waits in the keeper's listen backlog meanwhile
+        except EscrowError:
+            time.sleep(0.001)
+            continue
+        if status.instance != before.instance:
+            break
+    elapsed = (time.perf_counter() - start) * 1e3
+    if status.adopted != expect:
+        raise RuntimeError(f"the next holder adopted {status.adopted} of {expect} sessions")
+    phases: dict[str, float] = {}
+    if pair.log_path is not None:
+        times = log_times(pair.log_path, wall)
+        if "started" in times:
+            phases = {f"{name}_ms": (ts - wall) * 1e3 for name, ts in times.items()}
+    return elapsed, phases
+
+
+def bench_restart(sessions: int, samples: int) -> dict[str, Any]:
+    raise_fd_limit(3 * sessions + 256)
+    cold, empty = [], []
+    for _ in range(samples):
+        with BenchHolder(keeper=True, name="cold") as pair:
+            cold.append(pair.startup_s * 1e3)
+            empty.append(kill_to_status_ms(pair, 0)[0])
+    times: list[float] = []
+    phases: list[dict[str, float]] = []
+    with BenchHolder(keeper=True, name="restart") as pair:
+        client = pair.client("bench.restart")
+        ptys = {f"s{i}": raw_pty() for i in range(sessions)}
+        slaves = {sid: s for sid, (_, s) in ptys.items()}
+        try:
+            deposit_all(client, {sid: m for sid, (m, _) in ptys.items()})
+            fill(client, slaves, b"k" * SCALE_REPLAY)
+            for _ in range(samples):
+                # (The keeper restarts a holder that was serving at once: no back-off, unless
+                # restarts pile up as in a crash loop, which a few samples do not.)
+                elapsed, phase = kill_to_status_ms(pair, sessions)
+                times.append(elapsed)
+                phases.append(phase)
+            if any(s.buffered_bytes != SCALE_REPLAY for s in client.list()):
+                raise RuntimeError("a session's replay changed across the restarts")
+        finally:
+            for fd in slaves.values():
+                os.close(fd)
+    best = phases[times.index(median_low(times))]
+    return {
+        "restart_1000_ms": median(times),
+        "restart_1000_max_ms": max(times),
+        "restart_empty_ms": median(empty),
+        "cold_start_keeper_ms": median(cold),
+        "restart_vs_cold_start": median(times) / median(cold),
+        "restart_samples": samples,
+        # Phases of the median restart, from its SIGKILL: the keeper saw its holder exit and
+        # started the next, which was listening, had adopted every session, and was ready.
+        "restart_phases_ms": {k: round(v, 1) for k, v in best.items()},
+    }
+
+
+def median_low(values: list[float]) -> float:
+    return float(statistics.median_low(values))
+
+
+# --- 7. deposit with and without the fd store ---------------------------------------------
+
+
+def bench_deposit(rounds: int) -> dict[str, Any]:
+    times: dict[str, list[float]] = {"store": [], "none": []}
+    with running_holder() as bare, BenchHolder(keeper=True, log_path=os.devnull,
+                                               name="deposit") as kept:
+        assert kept.admin.status().fd_store == "keeper"
+        assert bare.admin.status().fd_store == "none"
+        custodies = {"store": kept.client("bench.deposit").custody(),
+                     "none": bare.client("bench.deposit").custody()}
+        try:
+            for i in range(rounds):
+                order = ["store", "none"] if i % 2 else ["none", "store"]
+                for name in order:
+                    master, slave = os.openpty()
+                    try:
+                        start = time.perf_counter()
+                        custodies[name].deposit(f"d{i}", master)
+                        times[name].append((time.perf_counter() - start) * 1e3)
+                        custodies[name].release(f"d{i}")
+                    finally:
+                        os.close(master)
+                        os.close(slave)
+        finally:
+            for custody in custodies.values():
+                custody.close()
+    p50, base = median(times["store"]), median(times["none"])
+    return {
+        "deposit_p50_ms": p50,
+        "deposit_p99_ms": statistics.quantiles(times["store"], n=100)[98],
+        "deposit_no_store_p50_ms": base,
+        "deposit_no_store_p99_ms": statistics.quantiles(times["none"], n=100)[98],
+        "deposit_store_vs_none": p50 / base,
+        "deposit_rounds": rounds,
+    }
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -514,6 +657,15 @@ def table(r: dict[str, Any]) -> str:
         ("reclaim 1000 sessions", f"{f(r['reclaim_1000_ms'], 0)} ms", "", ""),
         ("start-up to status", f"{f(r['startup_ms'], 0)} ms",
          f"python -c pass {f(r['startup_python_ms'], 0)} ms", f"{f(r['startup_vs_python'], 1)}×"),
+        ("restart, 1000 sessions adopted", f"{f(r['restart_1000_ms'], 0)} ms",
+         f"cold start of the pair {f(r['cold_start_keeper_ms'], 0)} ms",
+         f"{f(r['restart_vs_cold_start'], 1)}×"),
+        ("restart, no session", f"{f(r['restart_empty_ms'], 0)} ms", "", ""),
+        ("deposit p50 (fd store)", f"{f(r['deposit_p50_ms'], 3)} ms",
+         f"no fd store {f(r['deposit_no_store_p50_ms'], 3)} ms",
+         f"{f(r['deposit_store_vs_none'])}"),
+        ("deposit p99 (fd store)", f"{f(r['deposit_p99_ms'], 3)} ms",
+         f"no fd store {f(r['deposit_no_store_p99_ms'], 3)} ms", ""),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -522,7 +674,7 @@ def table(r: dict[str, Any]) -> str:
     pinned = ("each pair pinned alike, same CPU and split in turn" if r["drain_pinned"]
               else "placed by the scheduler")
     lines.append(f"(drain ratios: medians over {r['drain_runs']} interleaved pairs of runs, "
-                 f"{pinned}; MB = 10^6 bytes)")
+                 f"{pinned}; MB = 10^6 bytes; restarts: medians of {r['restart_samples']})")
     return "\n".join(lines)
 
 
@@ -543,6 +695,8 @@ def main() -> None:
                                   pin=not args.no_pin))
         result.update(bench_scale(1000, idle_seconds=2.0 if quick else 10.0))
         result.update(bench_startup(3 if quick else 7))
+        result.update(bench_restart(1000, 1 if quick else 5))
+        result.update(bench_deposit(200 if quick else 1000))
     result["quick"] = quick
     if args.json:
         print(json.dumps(result))

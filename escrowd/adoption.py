@@ -8,8 +8,9 @@ unpaired, corrupt or doubled is closed, logged and taken out of the store, and t
 adopted all the same. Each session resumes by the state it recorded:
 
 - `draining`: drains on, with its ring. After an unclean stop, one read may have been in
-  flight: the oldest bytes it may have overwritten are dropped, and `replay_gap_at` marks
-  where its bytes would have been.
+  flight: the oldest bytes it may have overwritten (only a ring that could grow no more
+  overwrites) are dropped, and `replay_gap_at` marks where its bytes would have been. The
+  same holds for `handing_off`, whose sweep reads too.
 - `exited`: stays exited, its tail in the ring.
 - `handing_off`: waits for the ack of its recorded handoff (a client may still send it on
   a new connection) until the ack deadline, then drains again.
@@ -53,14 +54,16 @@ class Adoption:
     adopted: int = 0  # sessions taken up by this holder
     refused: int = 0  # stored pairs closed as corrupt, unpaired or doubled
     holder_state: StateFile[HolderRecord] | None = None
-    new_holder_state: bool = False  # created by this holder: to be stored
 
 
 async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
-    """Take up every stored session (see the module's docstring), then store the holder's
-    own state file. Runs before the holder accepts its first connection."""
+    """Count this start in the holder's own state file (stored first, if it is new), then
+    take up every stored session (see the module's docstring). Runs before the holder
+    accepts its first connection."""
     report = Adoption(holder.instance)
-    _holder_state(holder, stored.pop(HOLDER_NAME, []), report)
+    if _holder_state(holder, stored.pop(HOLDER_NAME, []), report):
+        assert report.holder_state is not None
+        await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
     found: dict[tuple[str, str], Session] = {}
     for name, fds in stored.items():
         if not name.startswith(SESSION_PREFIX):
@@ -82,19 +85,19 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
         session.persist()
         _resume(holder, session)
         report.adopted += 1
-    if holder.store.enabled and report.holder_state is not None and report.new_holder_state:
-        await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
     if report.adopted or report.restarts:
         log("adopted", sessions=report.adopted, refused=report.refused,
             restarts=report.restarts, unclean_restarts=report.unclean_restarts)
     return report
 
 
-def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
+def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
     """The holder's own state file: count this start, and whether the last holder stopped
-    cleanly. A new one if there was none (or it is unreadable). One that was stored stays in
-    the store all along (its record is written in place, in the file the store shares): a
-    holder killed while it adopts must not leave the store without it."""
+    cleanly. A new one if there was none (or it is unreadable). Returns True when the file
+    must be stored (it is new, or the store had more than one): a file the store already
+    keeps stays there, untouched, and sees the new record (the store's copy is the same
+    file). Taking it out to store it again would lose it, and every count, to a kill in
+    between."""
     state: StateFile[HolderRecord] | None = None
     previous: HolderRecord | None = None
     for fd in fds:
@@ -106,13 +109,13 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
             previous = state.record()
         except CorruptState as exc:
             log("adopt_refused", name=HOLDER_NAME, reason=str(exc))
+    store_it = state is None or len(fds) > 1
+    if store_it and fds:
+        holder.store.remove(HOLDER_NAME)  # unreadable or doubled: stored again, once
     if state is None:
         if not holder.store.enabled:
-            return
-        if fds:
-            holder.store.remove(HOLDER_NAME)  # the unreadable one, replaced below
+            return False
         state = StateFile.create(HolderRecord, 0, "holder", holder.registry.private_dir)
-        report.new_holder_state = True
     if previous is not None:
         report.restarts = previous.restarts + 1
         report.unclean_restarts = previous.unclean_restarts + (0 if previous.clean else 1)
@@ -120,6 +123,7 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> None:
                              restarts=report.restarts,
                              unclean_restarts=report.unclean_restarts))
     report.holder_state = state
+    return store_it and holder.store.enabled
 
 
 def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Session | None:
@@ -151,13 +155,15 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
         _refuse(holder, name, [master], why or "", report)
         return None
     ring = Ring(state.size, holder.registry.budget, state)
-    unclean = not record.clean
+    # A read may have been in flight when the last holder died: a drain's, or (in
+    # `handing_off`) the sweep's, or a drain's last read as the handoff stopped it.
+    in_flight = not record.clean and record.state in ("draining", "handing_off")
     trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
-                         record.length_at_layout, unclean and record.state == "draining")
+                         record.length_at_layout, in_flight, record.saturated)
     session = Session.adopted(master, ring, record, holder.instance)
-    if unclean and record.state == "draining":
+    if in_flight:
         session.gap_total = ring.total  # the bytes of one read may be missing after here
-    session.log("adopted", state=record.state, buffered=ring.size, unclean=unclean,
+    session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session
 

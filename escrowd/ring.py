@@ -13,18 +13,34 @@ ever read), and the layout in its record (`capacity`, `origin`, `total_at_layout
 `length = length_at_layout + total - total_at_layout`, ending just before position
 `(origin + length) % capacity`. A read writes its bytes first and moves `total` after, in
 one store; growing copies before it publishes the new layout. So after a SIGKILL at any
-instruction, the file still describes bytes that are really there (see `adopted`).
+instruction, the file still describes bytes that are really there (see `adopt`).
+
+A read can overwrite held bytes only once the ring can grow no more (at its limit, or out
+of budget): the layout says so (`saturated`) before the first such read, so that a holder
+adopting the file after a kill drops the oldest bytes only when they may really have been
+overwritten, never those of a ring that still had room.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TypedDict
 
 from .statefile import MAX_READ, Record, StateFile
 
 MIN_CAPACITY = 16 * 1024
 _SCRATCH = bytearray(64 * 1024)  # where bytes go that no ring has room for
+
+
+class Layout(TypedDict):
+    """Where a ring's bytes are (the fields of its state record that say so)."""
+
+    capacity: int
+    origin: int
+    total_at_layout: int
+    length_at_layout: int
+    saturated: bool
 
 
 class RingBudget:
@@ -75,6 +91,9 @@ class Ring:
         self.length_at_layout = 0
         self._total = self.state.total
         self._length = 0  # length_at_layout + total - total_at_layout
+        # A read may overwrite held bytes (the ring could not grow enough for it): in the
+        # layout before such a read is made.
+        self.saturated = False
         self.on_layout: Callable[[], None] | None = None
 
     # --- what is held --------------------------------------------------------------------
@@ -103,11 +122,11 @@ class Ring:
             return self._data[start : start + held].tobytes()
         return b"".join((self._data[start:cap], self._data[: end]))
 
-    def layout(self) -> dict[str, int]:
+    def layout(self) -> Layout:
         """The fields of a state record that say where the bytes are."""
         return {"capacity": self.capacity, "origin": self.origin,
                 "total_at_layout": self.total_at_layout,
-                "length_at_layout": self.length_at_layout}
+                "length_at_layout": self.length_at_layout, "saturated": self.saturated}
 
     # --- reading in ------------------------------------------------------------------------
 
@@ -126,10 +145,16 @@ class Ring:
         length = self._length
         cap = self.capacity
         held = length if length < cap else cap
-        if held + at_most > cap and cap < self.limit:
-            while self.capacity < held + at_most and self._grow():
-                pass
-            cap, length = self.capacity, self._length
+        if held + at_most > cap:
+            if cap < self.limit:
+                while self.capacity < held + at_most and self._grow():
+                    pass
+                cap, length = self.capacity, self._length
+            if overwrite and cap and not self.saturated and held + at_most > cap:
+                # This read may overwrite the oldest bytes: the file says so first.
+                self.saturated = True
+                if self.on_layout is not None:
+                    self.on_layout()
         if cap == 0:
             if not overwrite:
                 return 0
@@ -183,6 +208,7 @@ class Ring:
         self.capacity, self.origin = new_cap, start
         self.total_at_layout, self.length_at_layout = self._total, held
         self._length = held
+        self.saturated = False  # read_from says so again if this was not room enough
         if self.on_layout is not None:
             self.on_layout()
         return True
@@ -190,17 +216,18 @@ class Ring:
     # --- adoption --------------------------------------------------------------------------
 
     def adopt(self, capacity: int, origin: int, total_at_layout: int, length_at_layout: int,
-              unclean: bool) -> int:
+              unclean: bool, saturated: bool = True) -> int:
         """Take over the layout a state file recorded (a holder starting with stored
-        state). After an unclean stop a read may have been in flight: its bytes may have
-        overwritten the oldest ones of a full ring before the counter moved, so those are
-        dropped. Returns how many bytes that dropped."""
+        state). After an unclean stop a read may have been in flight: if the layout was
+        `saturated` (the ring could grow no more), its bytes may have overwritten the oldest
+        ones before the counter moved, so those are dropped. Returns how many bytes that
+        dropped."""
         self._budget.take(capacity)
         self.capacity, self.origin = capacity, origin
         self.total_at_layout, self.length_at_layout = total_at_layout, length_at_layout
         self._total = self.state.total
         self._length = length_at_layout + self._total - total_at_layout
-        if not unclean or capacity == 0:
+        if not unclean or not saturated or capacity == 0:
             return 0
         held = self.size
         # Only a read that did not fit the free space can have overwritten held bytes.

@@ -62,8 +62,8 @@ class CorruptState(Exception):
 
 class Record(msgspec.Struct, kw_only=True):
     """What a state file says about its session. New fields get defaults (old files still
-    decode); the ring's layout (`capacity`, `origin`, `total_at_layout`, `length_at_layout`)
-    maps the hot `total` to where the bytes are (see escrowd.ring)."""
+    decode); the ring's layout (`capacity`, `origin`, `total_at_layout`, `length_at_layout`,
+    `saturated`) maps the hot `total` to where the bytes are (see escrowd.ring)."""
 
     token: str
     owner: str
@@ -85,6 +85,7 @@ class Record(msgspec.Struct, kw_only=True):
     origin: int = 0
     total_at_layout: int = 0
     length_at_layout: int = 0
+    saturated: bool = False  # the ring could grow no more: a read may overwrite its oldest
     gap_total: int | None = None  # the byte number after which one read may be missing
     instance: str = ""  # the holder that wrote it
     clean: bool = False  # True only once a holder stopped cleanly after writing it
@@ -208,11 +209,17 @@ class StateFile(Generic[R]):
         sequence number of every valid slot."""
         best: tuple[int, R | None] = (0, None)
         for i, (offset, size) in enumerate(_SLOTS):
-            seq, length, crc = _SLOT_HEAD.unpack_from(self._mm, offset)
+            # Read with pread, not through the mapping: a slot never written is a hole, and
+            # touching it through a shared mapping would allocate a page of memory (two per
+            # session, for the big slots) just to read zeros.
+            head = os.pread(self.fd, _SLOT_HEAD.size, offset)
+            if len(head) < _SLOT_HEAD.size:
+                continue
+            seq, length, crc = _SLOT_HEAD.unpack(head)
             if seq == 0 or length > size - _SLOT_HEAD.size:
                 continue
             body_at = offset + _SLOT_HEAD.size
-            payload = bytes(self._mm[body_at : body_at + length])
+            payload = os.pread(self.fd, length, body_at)
             if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
                 continue  # torn, or never finished
             try:

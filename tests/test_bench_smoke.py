@@ -16,7 +16,9 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "run.py"
 KEYS = [
     "handoff_p50_ms", "handoff_p99_ms", "fd_roundtrip_us", "handoff_vs_roundtrip",
     "reclaim_100_ms", "drain_mb_s", "drain_baseline_mb_s", "drain_ratio", "drain_cpu_ratio",
-    "rss_base_mb", "rss_1000_sessions_mb", "idle_cpu_percent", "startup_ms",
+    "rss_base_mb", "rss_1000_sessions_mb", "rss_growth_per_replay", "idle_cpu_percent",
+    "startup_ms", "restart_1000_ms", "restart_empty_ms", "cold_start_keeper_ms",
+    "deposit_p50_ms", "deposit_no_store_p50_ms",
 ]
 MAY_BE_ZERO = {"idle_cpu_percent"}
 

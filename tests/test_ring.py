@@ -22,7 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from escrowd.ring import MIN_CAPACITY, Ring, RingBudget
+from escrowd.ring import MIN_CAPACITY, Layout, Ring, RingBudget
+from escrowd.statefile import MAX_READ, Record, StateFile
 
 PIPE_CHUNK = 32 * 1024  # stays well under the default pipe capacity (64 KiB): writes never block
 PLENTY = 1 << 30
@@ -355,3 +356,52 @@ def _drain_pipe(ring: Ring, fd: int) -> None:
             pass
     except BlockingIOError:
         pass
+
+
+# --- adoption after an unclean stop (DESIGN §11) ---------------------------------------------
+
+
+def adopted_copy(ring: Ring, unclean: bool = True) -> tuple[Ring, int]:
+    """What a holder started after a SIGKILL makes of `ring`'s state file: a second ring on
+    the same file, adopting the layout `ring` last published. Returns it and what it
+    dropped."""
+    state = StateFile(os.dup(ring.state.fd), Record)
+    other = Ring(ring.limit, RingBudget(PLENTY), state)
+    layout = ring.layout()
+    trimmed = other.adopt(layout["capacity"], layout["origin"], layout["total_at_layout"],
+                          layout["length_at_layout"], unclean, layout["saturated"])
+    return other, trimmed
+
+
+def test_an_unclean_stop_drops_nothing_from_a_ring_that_could_still_grow() -> None:
+    """Incident pinned: a holder adopting after a SIGKILL dropped up to 8 KiB of the oldest
+    replay of any ring within a read of its current storage (12 KiB in 16 KiB), though such
+    a ring grows before it reads and so never overwrites: the replay of every draining
+    session lost its start at every crash. Only a ring that could grow no more may have
+    been overwritten by the read in flight."""
+    ring = Ring(1 << 20, RingBudget(PLENTY))
+    data = stream(12_000, seed=20)
+    with pipe() as ends:
+        drain(ring, ends, data, at_most=4096)
+    assert ring.capacity == MIN_CAPACITY and not ring.saturated
+    other, trimmed = adopted_copy(ring)
+    assert trimmed == 0
+    assert other.contents() == data and other.dropped == 0
+
+
+def test_a_ring_that_can_grow_no_more_says_so_before_it_overwrites() -> None:
+    """At its limit, or out of budget, the layout says `saturated` before the first read
+    that may overwrite; a holder adopting it after an unclean stop drops the oldest bytes
+    the read in flight may have overwritten (and a clean stop drops nothing)."""
+    layouts: list[Layout] = []
+    for ring in (Ring(MIN_CAPACITY, RingBudget(PLENTY)), Ring(1 << 20, RingBudget(20_000))):
+        ring.on_layout = lambda ring=ring: layouts.append(ring.layout())  # type: ignore[misc]
+        with pipe() as ends:
+            drain(ring, ends, stream(60_000, seed=21), at_most=4096)
+        assert ring.saturated and layouts[-1]["saturated"]
+        held = ring.size
+        other, trimmed = adopted_copy(ring)
+        assert trimmed == min(held, held + MAX_READ - ring.capacity) > 0
+        assert other.contents() == ring.contents()[trimmed:]
+        clean, none = adopted_copy(ring, unclean=False)
+        assert none == 0 and clean.contents() == ring.contents()
