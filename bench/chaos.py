@@ -68,7 +68,7 @@ every session. What changes:
   the holder's log must name that handoff_id `handed_off`); or `draining` again, when the
   holder died before it read the ack (then the log must not name it handed off, and the
   victim must not have been answered `done`: two readers would be a duplicate handoff).
-- Gaps: after an unclean stop a draining session's `replay_gap_at` marks where the bytes of
+- Gaps: after an unclean stop a draining session's `replay_gaps` mark where the bytes of
   one read may be missing. Every replay's mark is placed in the record, and a break in the
   numbering within a line of a mark, no longer than one read, is a marked gap (counted,
   `marked_gaps`); any other break is a `sequence_gaps` failure.
@@ -180,7 +180,7 @@ def _victim(sock_path: str, owner: str, sid: str, stop_at: str, out: int) -> Non
             ptn = None
         report("handoff_received", handoff_id=reply.handoff_id, isatty=os.isatty(fd), ptn=ptn,
                replay=base64.b64encode(reply.replay).decode(), dropped=reply.dropped_bytes,
-               state=reply.session.state, gap_at=reply.session.replay_gap_at)
+               state=reply.session.state, gaps=list(reply.session.replay_gaps))
         stop_here("handoff_received")
         try:
             send_frame(sock, protocol.encode(protocol.Ack(id=sid, handoff_id=reply.handoff_id)))
@@ -266,7 +266,7 @@ _LINE = re.compile(rb"L(\d+)")
 
 @dataclass
 class Mark:
-    """A spot in a record where, by the holder's `replay_gap_at`, the bytes of one read may
+    """A spot in a record where, by the holder's `replay_gaps`, the bytes of one read may
     be missing. A break in the numbering there is a marked gap: at most two breaks (the
     line the gap cut, and the next), resuming above where it broke, no more than a read."""
 
@@ -350,7 +350,7 @@ class Tracked:
     ptn: int
     record: bytearray = field(default_factory=bytearray)
     check: LineCheck = field(default_factory=LineCheck)
-    gap_marks: int = 0  # replays that came with a replay_gap_at
+    gap_marks: int = 0  # replays that came with replay_gaps
 
     @property
     def last_line(self) -> int:
@@ -360,24 +360,24 @@ class Tracked:
     def lines_checked(self) -> int:
         return self.check.lines
 
-    def _mark(self, check: LineCheck, gap_at: int | None) -> None:
-        if gap_at is not None:
+    def _mark(self, check: LineCheck, gaps: list[int] | None) -> None:
+        for gap_at in gaps or []:
             check.marks.append(Mark(len(self.record) + gap_at))
 
-    def continues(self, more: bytes, gap_at: int | None = None) -> bool:
+    def continues(self, more: bytes, gaps: list[int] | None = None) -> bool:
         """True if `more` (a replay marked at `gap_at`, if at all) appended to the record
         would still number its lines with no gap but marked ones, and no repeat (checks
         without appending)."""
         probe = copy.deepcopy(self.check)
-        self._mark(probe, gap_at)
+        self._mark(probe, gaps)
         return not probe.scan(self.record + more, self.sid, quiet=True)
 
-    def append_and_check(self, more: bytes, gap_at: int | None = None) -> int:
+    def append_and_check(self, more: bytes, gaps: list[int] | None = None) -> int:
         """Append to the record (a replay marked at `gap_at`, if at all), check the new
         complete lines; return the breaks found that no mark accounts for."""
-        if gap_at is not None:
+        if gaps:
             self.gap_marks += 1
-        self._mark(self.check, gap_at)
+        self._mark(self.check, gaps)
         self.record += more
         return len(self.check.scan(self.record, self.sid))
 
@@ -717,7 +717,7 @@ class Chaos:
                   f"isatty={handoff['isatty']} pts={handoff['ptn']} (want {sess.ptn})",
                   file=sys.stderr)
         replay = base64.b64decode(handoff["replay"])
-        if handoff["dropped"] == 0 and not sess.continues(replay, handoff.get("gap_at")):
+        if handoff["dropped"] == 0 and not sess.continues(replay, handoff.get("gaps")):
             self.counts["replay_mismatches"] += 1
             print(f"chaos: cycle {self.cycles}: {sess.sid}: the replay does not continue "
                   f"the record after L{sess.last_line}", file=sys.stderr)
@@ -726,7 +726,7 @@ class Chaos:
         """The victim owned the session when it died: stand in for the relaunched app."""
         self.phase("take_back")
         replay = base64.b64decode(handoff["replay"])
-        self.counts["sequence_gaps"] += sess.append_and_check(replay, handoff.get("gap_at"))
+        self.counts["sequence_gaps"] += sess.append_and_check(replay, handoff.get("gaps"))
         self.deposit(sess, sess.master)
 
     def deposit(self, sess: Tracked, fd: int) -> None:
@@ -815,7 +815,7 @@ class Chaos:
                           file=sys.stderr)
                 live = read_until(got.fd, lambda out: b"\n" in out, 2.0)
                 self.counts["sequence_gaps"] += sess.append_and_check(
-                    got.replay, got.session.replay_gap_at)
+                    got.replay, list(got.session.replay_gaps))
                 self.counts["sequence_gaps"] += sess.append_and_check(live)
                 try:
                     self.deposit(sess, got.fd)

@@ -52,6 +52,8 @@ class Channel:
         self.socket_path = socket_path
         self.breaker_cooldown = breaker_cooldown
         self._request_limit: int | None = None  # known once the holder's welcome is in
+        self.keep_open = False  # a timeout leaves it open, to be put back in step
+        self._out_of_step = False
         left = breaker.open_for(socket_path) if use_breaker else None
         if left is not None:
             raise errors.HolderUnresponsive(
@@ -98,12 +100,34 @@ class Channel:
 
     def _timed_out(self, what: str) -> errors.HolderUnresponsive:
         """A deadline passed: the only thing that opens the circuit breaker. The stream is
-        out of step now (a late answer would be taken for the next one's): closed."""
+        out of step now (a late answer would be taken for the next one's): closed, or, on
+        a connection that must stay open (`keep_open`: custody ends when it closes), put
+        back in step before its next call (`_resync`)."""
         breaker.trip(self.socket_path, self.breaker_cooldown)
-        self.close()
+        if self.keep_open:
+            self._out_of_step = True
+        else:
+            self.close()
         return errors.HolderUnresponsive(
             f"the holder on {self.socket_path} {what} in time", timed_out=True
         )
+
+    def _resync(self, deadline: Deadline) -> None:
+        """Ask `status`, and skip every late answer until it comes: then the next answer
+        is the next call's."""
+        self.send(protocol.Status(), deadline)
+        while True:
+            try:
+                reply, fds = self.receive(deadline)
+            except (errors.HolderUnavailable, errors.HolderUnresponsive,
+                    errors.ProtocolViolation):
+                raise
+            except errors.EscrowError:
+                continue  # a late refusal of the call that timed out
+            close_fds(fds)
+            if isinstance(reply, protocol.HolderStatus):
+                self._out_of_step = False
+                return
 
     def send(self, message: protocol.Message, deadline: Deadline, fd: int | None = None) -> None:
         frame = protocol.encode(message)
@@ -153,6 +177,8 @@ class Channel:
     def call(
         self, message: protocol.Message, deadline: Deadline, fd: int | None = None
     ) -> tuple[protocol.Response, list[int]]:
+        if self._out_of_step:
+            self._resync(deadline)
         self.send(message, deadline, fd)
         return self.receive(deadline)
 

@@ -65,6 +65,7 @@ class Custody:
 
     def __init__(self, client: EscrowClient, channel: Channel) -> None:
         self._client = client
+        channel.keep_open = True
         self._channel: Channel | None = channel
         self._lock = threading.RLock()  # one call at a time on the connection
         self._kept: dict[str, _Kept] = {}
@@ -103,12 +104,15 @@ class Custody:
             raise
 
     def release(self, session_id: str) -> None:
-        """The user closed the session: the holder drops its copy."""
+        """The user closed the session: the holder drops its copy. (Whatever the holder
+        answers, this custody never gives it again.)"""
         with self._lock:
-            self._call(protocol.Release(id=session_id))
             kept = self._kept.pop(session_id, None)
-        if kept is not None:
-            os.close(kept.fd)
+            try:
+                self._call(protocol.Release(id=session_id))
+            finally:
+                if kept is not None:
+                    os.close(kept.fd)
 
     @property
     def protected(self) -> bool:
@@ -137,8 +141,9 @@ class Custody:
             if self._closing:
                 return
             self._closing = True
-        os.write(self._wake_w, b"x")
-        self._watcher.join()
+        self._wake(b"x")
+        if threading.current_thread() is not self._watcher:  # close() from a callback
+            self._watcher.join()
         _open.discard(self)
         try:
             self._end_and_confirm()
@@ -158,12 +163,22 @@ class Custody:
     # --- the connection ------------------------------------------------------------------------
 
     def _call(self, message: protocol.Message, fd: int | None = None) -> protocol.Response:
-        if self._channel is None:
+        channel = self._channel
+        if channel is None:
             raise errors.HolderUnavailable(
                 f"custody of {self._client.owner} is being taken back from a holder that went "
                 "away; ask again in a moment")
-        reply, _ = self._channel.call(message, Deadline(self._client.timeout), fd=fd)
+        # A timeout leaves the connection open (closing it would end custody of every
+        # session on it while the app lives): the next call puts it back in step. A
+        # holder that went away is the watcher's to notice (the socket hangs up).
+        reply, _ = channel.call(message, Deadline(self._client.timeout), fd=fd)
         return reply
+
+    def _wake(self, why: bytes) -> None:
+        try:
+            os.write(self._wake_w, why)
+        except OSError:
+            pass
 
     def _end_and_confirm(self) -> None:
         deadline = Deadline(self._client.timeout)
@@ -183,13 +198,14 @@ class Custody:
             time.sleep(min(pause, max(deadline.remaining(), 0)))
             pause = min(pause * 2, _BACKOFF_MAX)
             try:
-                self._channel = self._reconnect(deadline, only=unconfirmed)
+                self._channel, _ = self._reconnect(deadline, only=unconfirmed)
             except errors.EscrowError:
                 continue
 
     def _still_held(self, deadline: Deadline) -> set[str]:
-        """Sessions of ours the holder says are still held by this process (or that it
-        cannot be asked about). Empty: custody has ended for all of them."""
+        """Sessions of ours whose end of custody the holder has not confirmed: still held
+        by this process, not escrowed at all (a holder that lost them), or that it cannot
+        be asked about. Empty: the holder is draining every one of them."""
         if not self._kept:
             return set()
         try:
@@ -199,32 +215,48 @@ class Custody:
             listed = {s.id: s for s in reply.sessions}
         except errors.EscrowError:
             return set(self._kept)
-        return {sid for sid in self._kept
-                if (info := listed.get(sid)) is not None and info.state == "held"
-                and info.custodian_pid == os.getpid()}
+        unconfirmed = set()
+        for sid in self._kept:
+            info = listed.get(sid)
+            if info is None:
+                unconfirmed.add(sid)  # gone with a holder: to be deposited again
+            elif info.state == "held" and info.custodian_pid == os.getpid():
+                unconfirmed.add(sid)  # the end was not seen: resumed, and ended again
+            # Draining, exited, being retrieved, or ended by someone (released, handed
+            # off): the holder has seen to it.
+        return unconfirmed
 
-    def _reconnect(self, deadline: Deadline, only: set[str] | None = None) -> Channel:
+    def _reconnect(self, deadline: Deadline, only: set[str] | None = None,
+                   channel: Channel | None = None) -> tuple[Channel, set[str]]:
         """A new custody connection that holds every kept session again (or `only` those):
-        resumed where the holder has them held, deposited again where it does not."""
-        channel = self._client._connect(deadline)
+        resumed where the holder has them held, deposited again where it does not.
+        Returns it with the sessions the holder refused (`exists`: escrowed but not held
+        for us; `limit`...): those are not protected, but the others are, on this
+        connection. A connection that fails is closed and raised."""
+        if channel is None:
+            channel = self._client._connect(deadline)
+            channel.keep_open = True
+        refused: set[str] = set()
         try:
             for sid, kept in list(self._kept.items()):
                 if only is not None and sid not in only:
                     continue
                 try:
                     channel.call(kept.deposit, deadline, fd=kept.fd)
-                except errors.SessionExists:
-                    # Escrowed, but not held for us (draining, say): not ours to take.
-                    continue
+                except (errors.HolderUnavailable, errors.HolderUnresponsive,
+                        errors.ProtocolViolation):
+                    raise
+                except errors.EscrowError:
+                    refused.add(sid)
         except BaseException:
             channel.close()
             raise
-        return channel
+        return channel, refused
 
     # --- the watcher -----------------------------------------------------------------------------
 
     def _set_protected(self, protected: bool) -> None:
-        if protected == self._protected:
+        if protected == self._protected or (protected and self._closing):
             return
         self._protected = protected
         for callback in list(self._callbacks):
@@ -235,7 +267,9 @@ class Custody:
 
     def _drop_in_child(self) -> None:
         """After fork, in the child: this custody is the parent's. Close our copies of its
-        socket and duplicates; the child never sends a byte on them."""
+        socket and duplicates; the child never sends a byte on them. (The lock may have
+        been held by the parent's watcher, which does not exist here: a new one.)"""
+        self._lock = threading.RLock()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -255,21 +289,22 @@ class Custody:
 
 
 def _watch(ref: weakref.ref[Custody]) -> None:
-    """The watcher thread: wait for the connection to hang up (or for close()); then take
-    custody back, with back-off, until it is back or custody is closed."""
+    """The watcher thread: wait for the connection to hang up (or for a call that found it
+    no good, or for close()); then take custody back, with back-off, until every kept
+    session is held again or custody is closed."""
     while True:
         custody = ref()
         if custody is None or custody._closing:
             return
         channel, wake = custody._channel, custody._wake_r
         del custody
+        poller = select.poll()
+        poller.register(wake, select.POLLIN)
         if channel is not None:
-            poller = select.poll()
             poller.register(channel.sock.fileno(), PEER_HUNG_UP)
-            poller.register(wake, select.POLLIN)
-            events = dict(poller.poll())
-            if wake in events:
-                return
+        events = dict(poller.poll())
+        if wake in events and b"x" in os.read(wake, 64):
+            return
         custody = ref()
         if custody is None or custody._closing:
             return
@@ -278,24 +313,33 @@ def _watch(ref: weakref.ref[Custody]) -> None:
                 return
             if custody._channel is channel and channel is not None:
                 channel.close()
-                custody._channel = None
+            custody._channel = None
         custody._set_protected(False)
         pause = _BACKOFF_FIRST
+        refused: set[str] | None = None  # None: every kept session still to be taken back
         while not custody._closing:
             try:
                 with custody._lock:
                     if custody._closing:
                         return
-                    custody._channel = custody._reconnect(Deadline(custody._client.timeout))
-                break
+                    # Sessions taken back stay on this connection; the refused ones are
+                    # asked again on it, later.
+                    custody._channel, refused = custody._reconnect(
+                        Deadline(custody._client.timeout), refused, custody._channel)
+                if not refused:
+                    break
             except errors.EscrowError:
-                if _wait(custody._wake_r, pause):
-                    return
-                pause = min(pause * 2, _BACKOFF_MAX)
+                with custody._lock:
+                    custody._channel, refused = None, None  # closed: start over
+            if _wait(custody._wake_r, pause):
+                return
+            pause = min(pause * 2, _BACKOFF_MAX)
         custody._set_protected(True)
         del custody
 
 
 def _wait(wake: int, seconds: float) -> bool:
     """Sleep up to `seconds`; True if close() woke us instead."""
-    return bool(select.select([wake], [], [], seconds)[0])
+    if not select.select([wake], [], [], seconds)[0]:
+        return False
+    return b"x" in os.read(wake, 64)

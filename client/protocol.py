@@ -139,8 +139,10 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     rows: int = 0
     meta: dict[str, str] = {}
     # After a holder's unclean stop: the offset in the replay where at most one read of
-    # output may be missing. None: the replay is seamless.
+    # output may be missing (the newest such spot). None: the replay is seamless.
     replay_gap_at: int | None = None
+    # Every such spot still in the replay, oldest first (one per unclean stop).
+    replay_gaps: list[int] = []
 
 
 class Welcome(Message, tag="welcome"):

@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
         "output so nothing is lost.",
     )
     p.add_argument("--version", action="version", version=f"escrowd {__version__}")
+    p.add_argument("--check", action="store_true",
+                   help="check that this installation can run a holder (every module loads, "
+                   "a state file can be made, written and read back), then exit: the trial "
+                   "an upgrade runs before it replaces a working holder")
     p.add_argument("--bare", action="store_true",
                    help="run the holder alone, without its keeper: for a service manager "
                    "that keeps the fds itself (systemd's unit), and for tests. Without a "
@@ -167,9 +171,10 @@ async def _watch_signals(holder: Holder) -> None:
     the next holder; whoever keeps the store (systemd, the keeper) decides what is next."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
+            if holder.stopping:
+                continue  # stopping in order already: a second signal must not cut it short
             _stopping(holder, signal.Signals(signum).name)
             holder.request_stop()
-            return
 
 
 def _raise_fd_limit() -> None:
@@ -182,6 +187,24 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         except (ValueError, OSError):
             pass  # keep what we have; deposits past it get `limit`
+
+
+def _check() -> int:
+    """`escrowd --check`: what a holder needs to start, tried without serving anything."""
+    from . import adoption, handoff, registry  # noqa: F401  (every module a holder loads)
+    from .statefile import HolderRecord, Record, StateFile
+
+    state = StateFile.create(Record, MiB, "check")
+    try:
+        state.write(Record(token="check", owner="check", id="check"))
+        again = StateFile(os.dup(state.fd), Record)
+        ok = again.record() == state.record()
+        again.close()
+        StateFile.create(HolderRecord, 0, "check").close()
+    finally:
+        state.close()
+    print(f"escrowd {__version__}: {'ok' if ok else 'state files do not read back'}")
+    return 0 if ok else 1
 
 
 def _keeper_pid() -> int | None:
@@ -201,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     config = _config(args, parser)
+    if args.check:
+        return _check()
     if not args.bare:
         return keeper.main(config, sys.argv[1:] if argv is None else argv)
     keeper_pid = _keeper_pid()

@@ -162,7 +162,7 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
                          record.length_at_layout, in_flight, record.saturated)
     session = Session.adopted(master, ring, record, holder.instance)
     if in_flight:
-        session.gap_total = ring.total  # the bytes of one read may be missing after here
+        session.gap_totals.append(ring.total)  # one read's bytes may be missing after here
     session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session
@@ -193,15 +193,27 @@ async def _watch_custodian(holder: Holder, session: Session) -> None:
 
 
 async def _await_adopted_ack(holder: Holder, session: Session) -> None:
-    """A handoff was under way when the last holder stopped: the client may still ack it
-    (on a new connection, see Holder's late-ack handling) until the ack deadline."""
+    """A handoff was under way when the last holder stopped: the fd may be in the client's
+    hands now. The client may still ack it (on a new connection, see the holder's late-ack
+    handling); until it does, nothing here reads the terminal while that client's process
+    lives (it may be reading it: two readers would split the output). When it is gone
+    without an ack, the session drains again. (No client pid recorded: the ack deadline.)"""
     session.adopted_handoff = True
-    await trio.sleep(holder.config.ack_deadline)
-    if session.fd >= 0 and session.state == "handing_off" and session.adopted_handoff:
-        session.adopted_handoff = False
-        session.handoff_id = None
-        holder.registry.handoffs_failed += 1
-        session.start_drain(holder.nursery, "no ack for the handoff a stopped holder began")
+    pid = session.handoff_peer_pid
+    with trio.CancelScope() as scope:
+        session.watch_scope = scope
+        if pid is not None:
+            await wait_exit(pid, None)
+        else:
+            await trio.sleep(holder.config.ack_deadline)
+        if session.fd >= 0 and session.state == "handing_off" and session.adopted_handoff:
+            session.adopted_handoff = False
+            session.handoff_id = session.handoff_peer_pid = None
+            holder.registry.handoffs_failed += 1
+            session.start_drain(holder.nursery, "the client of a handoff a stopped holder "
+                                "began went away without its ack")
+    if session.watch_scope is scope:
+        session.watch_scope = None
 
 
 def _refuse(holder: Holder, name: str, fds: list[int], why: str,

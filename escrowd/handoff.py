@@ -66,6 +66,7 @@ async def retrieve(
     prior = session.state  # draining or exited
     handoff_id = uuid.uuid4().hex
     session.handoff_id = handoff_id  # visible in `list` while under way
+    session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if the holder dies now
     session.set_state("handing_off", f"retrieve handoff_id={handoff_id} peer_pid={conn.peer_pid}")
     acked = False
     try:
@@ -145,7 +146,7 @@ def _put_back(
     if session.fd < 0 or session.state != "handing_off":
         return
     registry.handoffs_failed += 1
-    session.handoff_id = None
+    session.handoff_id = session.handoff_peer_pid = None
     if prior == "exited":
         session.set_state("exited", reason)
     elif session.has_drain():

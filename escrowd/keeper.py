@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import resource
 import select
 import signal
 import socket
@@ -135,20 +136,16 @@ class Keeper:
         poller.register(self.notify, select.POLLIN)
         poller.register(wake_r, select.POLLIN)
         try:
-            while True:
-                if self.holder is None:
-                    if self.stopping:
-                        break
-                    if time.monotonic() >= self.restart_at:
-                        self._start_holder()
-                for fd, _ in poller.poll(self._timeout_ms()):
-                    if fd == wake_r:
-                        self._signals(os.read(wake_r, 512))
-                    else:
-                        self._messages()
-                self._preflight_done()
-                self._reap()
-                self._check_deadlines()
+            while not (self.stopping and self.holder is None):
+                try:
+                    self._turn(poller, wake_r)
+                except Exception as exc:
+                    # Out of processes or fds, say: the stored fds are every session's
+                    # life, so the keeper never exits on an error; it tries again later.
+                    log("keeper_error", error=repr(exc), reason="trying again in a moment")
+                    if self.holder is None:
+                        self.restart_at = time.monotonic() + self.backoff
+                        self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -158,6 +155,18 @@ class Keeper:
             self._close_store()
         log("keeper_stopped", pid=os.getpid())
         return 0
+
+    def _turn(self, poller: select.poll, wake_r: int) -> None:
+        if self.holder is None and not self.stopping and time.monotonic() >= self.restart_at:
+            self._start_holder()
+        for fd, _ in poller.poll(self._timeout_ms()):
+            if fd == wake_r:
+                self._signals(os.read(wake_r, 512))
+            else:
+                self._messages()
+        self._preflight_done()
+        self._reap()
+        self._check_deadlines()
 
     def _timeout_ms(self) -> int:
         now = time.monotonic()
@@ -178,7 +187,7 @@ class Keeper:
                 log("keeper_stopping", reason=signal.Signals(signum).name)
                 self.stopping = True
                 self._stop_holder()
-            elif signum == signal.SIGHUP and not self.stopping:
+            elif signum == signal.SIGHUP and not self.stopping and not self.upgrading:
                 self._upgrade()
 
     # --- the holder --------------------------------------------------------------------------
@@ -201,18 +210,18 @@ class Keeper:
         log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 1)
 
     def _stop_holder(self) -> None:
-        if self.holder is not None:
+        if self.holder is not None and self.stop_deadline is None:  # signalled once only
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.holder, signal.SIGTERM)
             self.stop_deadline = time.monotonic() + STOP_GRACE
 
     def _upgrade(self) -> None:
-        """Try the installed code first (`escrowd --version`, run beside the loop, which
+        """Try the installed code first (`escrowd --check`, run beside the loop, which
         keeps reading the holder's notifications meanwhile): only if it starts is the
         holder replaced."""
         if self.preflight is None:
             self.preflight = subprocess.Popen(
-                [sys.executable, "-m", "escrowd", "--version"], stdin=subprocess.DEVNULL,
+                [sys.executable, "-m", "escrowd", "--check"], stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def _preflight_done(self) -> None:
@@ -233,17 +242,16 @@ class Keeper:
         self._stop_holder()
 
     def _reap(self) -> None:
-        while self.holder is not None:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if pid != self.holder:
-                continue
-            self._messages()  # everything it sent before it exited still counts
-            self._holder_exited(os.waitstatus_to_exitcode(status))
+        if self.holder is None:
+            return
+        try:
+            pid, status = os.waitpid(self.holder, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        self._messages()  # everything it sent before it exited still counts
+        self._holder_exited(os.waitstatus_to_exitcode(status))
 
     def _holder_exited(self, code: int) -> None:
         lived = time.monotonic() - self.holder_started
@@ -332,9 +340,14 @@ class Keeper:
 def _exec_holder(argv: list[str], fds: list[int], names: list[str], notify_path: str,
                  keeper_pid: int) -> None:
     """In the forked child: put `fds` at 3, 4, ... as systemd would, and exec the holder."""
-    # Out of the way first (above every target), so that no dup2 overwrites one still needed.
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + len(fds)) for fd in fds]
-    for target, fd in enumerate(high, start=3):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:  # a holder with many sessions needs many fds; so does this shuffle
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # Out of the way first, the few that sit where the targets are (so that no dup2
+    # overwrites one still needed); the rest are put in place from where they are.
+    end = 3 + len(fds)
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, end) if fd < end else fd for fd in fds]
+    for target, fd in enumerate(fds, start=3):
         os.dup2(fd, target)  # inheritable
     env = dict(os.environ)
     env.update(LISTEN_FDS=str(len(fds)), LISTEN_PID=str(os.getpid()),

@@ -15,6 +15,8 @@ import trio
 
 from escrow_client.liveness import process_alive
 
+_FALLBACK_PERIOD = 5.0  # seconds between looks when no pidfd can be opened
+
 
 async def wait_exit(pid: int, start_time: float | None) -> None:
     """Return once process `pid` (the one that started at `start_time`, when known) has
@@ -26,6 +28,11 @@ async def wait_exit(pid: int, start_time: float | None) -> None:
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
+            return
+        except OSError:
+            # Out of fds, say: ask now and then instead. Never a crash of the holder.
+            while process_alive(pid, start_time) is not False:
+                await trio.sleep(_FALLBACK_PERIOD)
             return
         try:
             # Opened first, checked second: the pid cannot be reused under an open pidfd.

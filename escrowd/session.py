@@ -77,7 +77,8 @@ class Session:
         self.deposited_at = self.state_since = time.time()
         self.state = "held"
         self.handoff_id: str | None = None
-        self.gap_total: int | None = None  # see replay_gap_at
+        self.handoff_peer_pid: int | None = None  # the retrieving client's, while handing_off
+        self.gap_totals: list[int] = []  # see replay_gaps
         self.hung_up = False  # a read failed: the last slave fd is closed
         self._saved_flags: int | None = None
         self._init_runtime()
@@ -110,7 +111,8 @@ class Session:
         self.custodian_start_time = record.custodian_start_time
         self.deposited_at, self.state_since = record.deposited_at, record.state_since
         self.state, self.handoff_id = record.state, record.handoff_id
-        self.gap_total = record.gap_total
+        self.handoff_peer_pid = record.handoff_peer_pid
+        self.gap_totals = list(record.gap_totals)
         self.hung_up = False
         self._saved_flags = record.saved_flags
         self._init_runtime()
@@ -137,19 +139,28 @@ class Session:
             cols=self.cols, rows=self.rows, meta=self.meta, state=self.state,
             deposited_at=self.deposited_at, state_since=self.state_since,
             custodian_pid=self.custodian_pid, custodian_start_time=self.custodian_start_time,
-            handoff_id=self.handoff_id, saved_flags=self._saved_flags,
-            gap_total=self.gap_total, instance=self.instance, clean=clean,
+            handoff_id=self.handoff_id, handoff_peer_pid=self.handoff_peer_pid,
+            saved_flags=self._saved_flags,
+            gap_totals=self.gap_totals, instance=self.instance, clean=clean,
             **self.ring.layout(),
         ))
 
     @property
+    def replay_gaps(self) -> list[int]:
+        """Where in the replay the bytes of one read may be missing (one spot per unclean
+        stop of a holder while it drained this session), oldest first: offsets into
+        `ring.contents()`. Spots whose bytes have left the ring are forgotten."""
+        oldest = self.ring.total - self.ring.size
+        gaps = [total - oldest for total in self.gap_totals if total >= oldest]
+        if len(gaps) != len(self.gap_totals):
+            self.gap_totals = [total for total in self.gap_totals if total >= oldest]
+        return gaps
+
+    @property
     def replay_gap_at(self) -> int | None:
-        """Where in the replay at most one read may be missing (after an unclean stop of
-        a holder), or None: an offset into `ring.contents()`."""
-        if self.gap_total is None:
-            return None
-        at = self.gap_total - (self.ring.total - self.ring.size)
-        return at if at >= 0 else None
+        """The newest of `replay_gaps`, or None: the replay is seamless."""
+        gaps = self.replay_gaps
+        return gaps[-1] if gaps else None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -186,6 +197,7 @@ class Session:
             rows=self.rows,
             meta=self.meta,
             replay_gap_at=self.replay_gap_at,
+            replay_gaps=self.replay_gaps,
         )
 
     # --- draining ---------------------------------------------------------------------

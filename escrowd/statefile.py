@@ -80,13 +80,14 @@ class Record(msgspec.Struct, kw_only=True):
     custodian_pid: int | None = None
     custodian_start_time: float | None = None
     handoff_id: str | None = None
+    handoff_peer_pid: int | None = None  # while handing_off: the client that may hold the fd
     saved_flags: int | None = None  # the app's file status flags, restored at handoff
     capacity: int = 0
     origin: int = 0
     total_at_layout: int = 0
     length_at_layout: int = 0
     saturated: bool = False  # the ring could grow no more: a read may overwrite its oldest
-    gap_total: int | None = None  # the byte number after which one read may be missing
+    gap_totals: list[int] = []  # byte numbers after which one read may be missing
     instance: str = ""  # the holder that wrote it
     clean: bool = False  # True only once a holder stopped cleanly after writing it
 

@@ -25,7 +25,7 @@ from survival import assert_one_stream
 from test_survive import kill_serving_holder
 
 from conftest import HolderProcess, start_holder, wait_for
-from escrow_client import EscrowClient, HolderUnavailable, paths
+from escrow_client import EscrowClient, HolderUnavailable, HolderUnresponsive, breaker, paths
 
 # An app: a shell printing numbered lines in a PTY, deposited under custody; then it only
 # reads the terminal (into a file) and reports every protection change, one JSON line
@@ -258,3 +258,66 @@ def test_a_forked_child_holds_no_custody_and_runs_no_watcher(holder: HolderProce
     assert seen["parent"]["fileno"] >= 0 and seen["parent"]["threads"] >= 2
     assert seen["child"]["sockets"] == [] and seen["child"]["fileno"] == -1, seen
     assert seen["child"]["threads"] == 1
+
+
+def test_close_after_a_total_loss_deposits_again_before_it_ends_custody(
+    socket_dir: Path,
+) -> None:
+    """Found in review: the holder and its keeper die between a deposit and the end of
+    custody, and a new escrowd that knows nothing is started. close() must not take "not
+    listed" for "custody ended" (the app would close its master and the shell would die):
+    it deposits the session again from its duplicate, ends custody, and returns only once
+    the new holder drains it."""
+    directory = socket_dir / "loss"
+    first = start_holder(directory, keeper=True)
+    master, slave = os.openpty()
+    second: HolderProcess | None = None
+    try:
+        custody = EscrowClient("com.example.term", socket_path=first.socket).custody()
+        custody.deposit("tab", master)
+        record = paths.read_pidfile(first.socket)
+        assert record is not None
+        os.kill(first.pid, signal.SIGKILL)
+        os.kill(record.pid, signal.SIGKILL)
+        first.proc.wait()
+        second = start_holder(directory, keeper=True)
+        custody.close()
+        states = {s.id: s.state for s in second.client().list()}
+        assert states == {"tab": "draining"}, states
+    finally:
+        os.close(master)
+        os.close(slave)
+        if second is not None:
+            second.stop()
+
+
+def test_a_timed_out_custody_call_keeps_custody_and_gets_back_in_step(
+    make_holder: Callable[..., HolderProcess],
+) -> None:
+    """Found in review: a custody call that timed out closed its connection, which ended
+    custody of every session on it while the app still read them (and left the watcher
+    polling a closed fd). Now the connection stays open, custody with it, and the next
+    call skips the late answer: a stopped holder resumed keeps s1 held, and s2 deposits."""
+    holder = make_holder("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
+    masters = [os.openpty() for _ in range(2)]
+    try:
+        client = EscrowClient("com.example.term", socket_path=holder.socket, timeout=1.0)
+        custody = client.custody()
+        custody.deposit("s1", masters[0][0])
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(HolderUnresponsive):
+                custody.release("s1")  # the answer comes, late, once the holder resumes
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        breaker.reset(holder.socket)
+        custody.deposit("s2", masters[1][0])
+        states = {s.id: s.state for s in holder.client().list()}
+        assert states == {"s1": "released", "s2": "held"} and custody.protected, states
+        custody.close()
+        assert {s.id: s.state for s in holder.client().list()} == {"s1": "released",
+                                                                  "s2": "draining"}
+    finally:
+        for m, sl in masters:
+            os.close(m)
+            os.close(sl)

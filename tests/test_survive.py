@@ -19,10 +19,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hostile import numbered_lines, read_more_lines
+from rawclient import RawClient
 from survival import (
     TICKER,
     assert_all_survived,
@@ -195,3 +197,58 @@ def test_the_holder_outlives_its_keeper(
     client.release("tab")
     os.kill(serving, signal.SIGTERM)
     wait_for(lambda: process_alive(serving, None) is False, 15.0, "the holder to stop")
+
+
+def test_a_handoff_caught_by_the_holders_death_waits_for_its_client(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """Found in review: a holder killed after sending a handoff, before the ack. The client
+    has the fd; the next holder adopted the session `handing_off` and drained it again after
+    the ack deadline, while the client, alive, could be reading it: two readers. Now the
+    session is left alone while the client's process lives (well past the ack deadline),
+    and the client's ack on a new connection completes the handoff."""
+    holder = make_holder("--ack-deadline", "0.5", keeper=True)
+    kid = pty_children(TICKER)
+    holder.client().hand_off("tab", kid.master, child_pid=kid.pid)
+    os.close(kid.master)
+    kid.master = -1
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        handoff, fd = raw.retrieve_handoff("tab")
+        kill_serving_holder(holder)
+        info = {s.id: s for s in holder.client().list()}["tab"]
+        assert info.state == "handing_off" and info.handoff_id == handoff.handoff_id
+        deadline_passed = time.monotonic() + 2.0  # four ack deadlines
+        while time.monotonic() < deadline_passed:
+            state = {s.id: s.state for s in holder.client().list()}["tab"]
+            assert state == "handing_off", "drained while its client may be reading it"
+            time.sleep(0.1)  # the behaviour under test: nothing happens while we wait
+        with RawClient(holder.socket) as again:
+            again.hello()
+            again.send(protocol.Ack(id="tab", handoff_id=handoff.handoff_id))
+            assert again.receive()[0] == protocol.Done(id="tab")
+        assert {s.id: s.state for s in holder.client().list()}["tab"] == "handed_off"
+        assert os.isatty(fd)
+
+
+def test_a_second_sigterm_does_not_cut_an_orderly_stop_short(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """Found in review: SIGTERM twice (an upgrade asked twice) killed the holder in the
+    middle of its orderly stop, with a handoff waiting for its ack. The second is ignored:
+    the handoff completes, the holder exits 0 and the next start is clean."""
+    holder = make_holder()
+    kid = pty_children(TICKER)
+    holder.client().hand_off("tab", kid.master, child_pid=kid.pid)
+    os.close(kid.master)
+    kid.master = -1
+    with RawClient(holder.socket) as raw:
+        raw.hello(timeout=10.0)
+        handoff, fd = raw.retrieve_handoff("tab")
+        holder.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: holder.log_lines("stopping"), 10.0, "the orderly stop")
+        holder.proc.send_signal(signal.SIGTERM)
+        raw.send(protocol.Ack(id="tab", handoff_id=handoff.handoff_id))
+        assert raw.receive()[0] == protocol.Done(id="tab")
+        assert holder.proc.wait(15) == 0
+        assert os.isatty(fd)

@@ -90,7 +90,10 @@ static void json_session(FILE *out, const escrow_session *s) {
         json_str(out, s->meta[i].key), fputs(": ", out), json_str(out, s->meta[i].value);
     }
     fputs("}, \"replay_gap_at\": ", out), json_opt_int(out, s->replay_gap_at);
-    fputs("}", out);
+    fputs(", \"replay_gaps\": [", out);
+    for (size_t i = 0; i < s->n_replay_gaps; i++)
+        fprintf(out, "%s%lld", i > 0 ? ", " : "", (long long)s->replay_gaps[i]);
+    fputs("]}", out);
 }
 
 static void json_welcome(FILE *out, const escrow_welcome *w) {

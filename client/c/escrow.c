@@ -879,6 +879,20 @@ void escrow_session_clear(escrow_session *s) {
     s->meta_count = 0;
 }
 
+/* `replay_gaps`: a list of ints, of which the first 8 are kept. */
+static int rd_gaps(mp_in *in, escrow_session *s) {
+    size_t n;
+    if (rd_array(in, &n) != 0) return -1;
+    s->n_replay_gaps = 0;
+    for (size_t i = 0; i < n; i++) {
+        int64_t v;
+        if (rd_int(in, &v) != 0) return -1;
+        if (s->n_replay_gaps < sizeof s->replay_gaps / sizeof s->replay_gaps[0])
+            s->replay_gaps[s->n_replay_gaps++] = v;
+    }
+    return 0;
+}
+
 /* A SessionInfo: a map without `type`. On failure the caller still clears `s`. */
 static int rd_session(mp_in *in, escrow_session *s) {
     enum { OWNER = 1, ID = 2, STATE = 4 };
@@ -913,6 +927,7 @@ static int rd_session(mp_in *in, escrow_session *s) {
         else if (key_is(k, kl, "rows")) r = rd_int(in, &s->rows);
         else if (key_is(k, kl, "meta")) r = rd_meta(in, s);
         else if (key_is(k, kl, "replay_gap_at")) r = rd_opt_int(in, &s->replay_gap_at);
+        else if (key_is(k, kl, "replay_gaps")) r = rd_gaps(in, s);
         else r = rd_skip(in, 0);
         if (r != 0) return -1;
     }

@@ -101,6 +101,8 @@ typedef struct escrow_session {
     size_t meta_count;
     int64_t replay_gap_at;              /* -1: nil (a seamless replay); else the offset in
                                            the replay where one read may be missing */
+    int64_t replay_gaps[8];             /* every such spot, oldest first (the first 8) */
+    size_t n_replay_gaps;
 } escrow_session;
 
 typedef struct escrow_status {
