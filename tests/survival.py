@@ -74,6 +74,8 @@ class ThreeSessions:
     read_by_app: Path
 
     def lines_read_by_app(self) -> int:
+        if not self.read_by_app.exists():
+            return 0  # the app has not opened it yet
         return len(numbered_lines(self.read_by_app.read_bytes()))
 
 
