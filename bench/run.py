@@ -20,6 +20,10 @@
 7. deposit: a deposit under custody (hello done, one connection), p50 and p99, by a holder
    with a fd store (under the keeper: `deposited` only after the FDSTORE message) against the
    bare holder with none, interleaved.
+8. journal: an app reading a child's 256 MiB flood (64 MiB with --quick) through
+   `Custody.read`, with the journal on (each read recorded into the session's ring) against
+   the same app with it off, in interleaved pairs: the ratio of the app's CPU seconds
+   (`journal_read_overhead`) and of the wall time.
 
 Baselines are C (compiled into a temp dir now) when a compiler is present, else Python.
 Medians over repeats; the drain ratios are medians over interleaved pairs of runs. It
@@ -621,6 +625,63 @@ def bench_deposit(rounds: int) -> dict[str, Any]:
     }
 
 
+# --- 8. the journal ------------------------------------------------------------------------
+
+
+def journal_read(holder: BenchHolder, baselines: str | None, total: int, journal: bool,
+                 run: int) -> tuple[float, float]:
+    """An app reading a fast child's `total` bytes through `Custody.read` (64 KiB reads),
+    recording each into the session's ring when `journal`: (seconds, the app's CPU
+    seconds) from the child's start to the terminal's hang-up."""
+    client = holder.client("bench.journal")
+    sid = f"j{run}"
+    master, slave = raw_pty()
+    with client.custody() as custody:
+        custody.deposit(sid, master, journal=journal)
+        if custody.journaled(sid) != journal:
+            raise RuntimeError("the holder did not grant the journal")
+        cpu0, start = time.process_time(), time.perf_counter()
+        child = spawn_writer(baselines, total, slave, None)
+        os.close(slave)
+        got = 0
+        while True:
+            try:
+                data = custody.read(sid, 65536)
+            except OSError:  # EIO: the child is gone and its last byte read
+                break
+            if not data:
+                break
+            got += len(data)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu0
+        child.wait()
+        custody.release(sid)
+    os.close(master)
+    if got != total:
+        raise RuntimeError(f"the app read {got} of {total}")
+    return elapsed, cpu
+
+
+def bench_journal(baselines: str | None, total: int, pairs: int) -> dict[str, Any]:
+    """The journal's cost to the app that reads: on against off, interleaved pairs."""
+    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    with running_holder() as holder:
+        for i in range(pairs):
+            for journal in ((True, False) if i % 2 else (False, True)):
+                runs[journal].append(journal_read(holder, baselines, total, journal, 2 * i
+                                                  + journal))
+    cpu_ratio = median([on[1] / off[1] for on, off in zip(runs[True], runs[False],
+                                                            strict=True)])
+    wall_ratio = median([on[0] / off[0] for on, off in zip(runs[True], runs[False],
+                                                             strict=True)])
+    return {
+        "journal_read_overhead": cpu_ratio,
+        "journal_read_wall_ratio": wall_ratio,
+        "journal_read_mb_s": total / MiB / median([on[0] for on in runs[True]]),
+        "journal_off_read_mb_s": total / MiB / median([off[0] for off in runs[False]]),
+        "journal_read_mb": total / MiB,
+    }
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -697,6 +758,7 @@ def main() -> None:
         result.update(bench_startup(3 if quick else 7))
         result.update(bench_restart(1000, 1 if quick else 5))
         result.update(bench_deposit(200 if quick else 1000))
+        result.update(bench_journal(baselines, (64 if quick else 256) * MiB, 3 if quick else 7))
     result["quick"] = quick
     if args.json:
         print(json.dumps(result))

@@ -24,6 +24,7 @@ from .custody import Custody
 from .fdpass import close_fds
 from .liveness import process_alive
 from .paths import resolve_socket_path
+from .repaint import repaint
 
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_RECLAIM_DEADLINE = 8.0
@@ -35,12 +36,15 @@ _RETRY_PAUSE = 0.05  # between tries at a holder that is restarting
 
 @dataclass
 class Retrieved:
-    """A session taken back. The caller owns `fd` (close-on-exec) and should write `replay`
-    to its screen before reading `fd`.
+    """A session taken back. The caller owns `fd` (close-on-exec). To restore the screen:
+    reset the emulator, write `replay` to it, then `repaint()`, then read `fd`.
 
     `confirmed` is True when the holder answered `done`. False means the holder could not
     confirm it (it is gone, which took its copy with it, or it did not answer again): the
     fd is the caller's, and `EscrowClient.list()` tells what the holder thinks later.
+    `dropped_bytes` were lost to a full ring before `replay`; `replay_trimmed` more were
+    cut so that it starts on a clean boundary (DESIGN §12); `replay_journaled` of its
+    bytes were recorded by the app before (a journal), the rest drained by the holder.
     """
 
     fd: int
@@ -49,6 +53,23 @@ class Retrieved:
     dropped_bytes: int
     handoff_id: str
     confirmed: bool
+    replay_trimmed: int = 0
+    replay_journaled: int = 0
+    # A retrieve into custody with a journal: where the app goes on recording (the
+    # custody takes these over).
+    journal: protocol.Journal | None = None
+    journal_fd: int | None = None
+
+    def repaint(self) -> None:
+        """Make the program on the terminal redraw its screen (see `escrow_client.repaint`)."""
+        repaint(self.fd)
+
+    def close(self) -> None:
+        """Close what was received: the master and any state file (an abandoned result)."""
+        for fd in (self.fd, self.journal_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.journal_fd = -1, None
 
 
 @dataclass
@@ -184,53 +205,169 @@ class EscrowClient:
             channel.close()
 
     def _retrieve_on(self, channel: Channel, sid: str, deadline: Deadline) -> Retrieved:
+        got, failed = self._retrieve_many_on(channel, [sid], deadline)
+        if sid in failed:
+            raise failed[sid]
+        return got[sid]
+
+    def _retrieve_many_on(
+        self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
+        journal: bool = False,
+    ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
+        """Retrieve `ids` over `channel` in one request (DESIGN §4, §12): every handoff
+        comes first, then every ack goes out, then every `done` comes back. Returns what
+        was taken back and, per id, what was not. With `keep` the sessions stay escrowed,
+        held by `channel` (a custody connection).
+
+        A `done` that does not come is resolved on a fresh connection (`_resolve`); with
+        `keep`, a session is ours only if the holder has it held for this process (a
+        custody that reconnects resumes it), else our copy is closed and it stays escrowed.
+        Raises (after closing every fd it received) only for what spoils the whole call."""
         self._check_invariant(channel.welcome, self.timeout)
         w = channel.welcome
         if deadline.remaining() <= w.drain_stop_budget + w.send_deadline:
             raise errors.HolderUnresponsive(
-                f"not enough time left to retrieve {sid} (the holder may need "
-                f"{w.drain_stop_budget + w.send_deadline:.3g}s)", sid,
+                f"not enough time left to retrieve {', '.join(ids[:3])} (the holder may need "
+                f"{w.drain_stop_budget + w.send_deadline:.3g}s)", ids[0],
             )
-        reply, fds = channel.call(protocol.Retrieve(id=sid), deadline)
-        if not isinstance(reply, protocol.Handoff):
-            close_fds(fds)
-            raise errors.ProtocolViolation(f"expected handoff, got {type(reply).__name__}")
-        fd = fds[0]
-        if not os.isatty(fd):
-            # Do not ack: the holder keeps its copy and drains again when we hang up.
-            os.close(fd)
-            channel.close()
-            raise errors.ProtocolViolation(f"the holder handed off {sid} as a non-terminal")
-        result = Retrieved(fd, reply.session, reply.replay, reply.dropped_bytes,
-                           reply.handoff_id, confirmed=False)
-        ack_sent = False
+        wanted = set(ids)
+        request: protocol.Message = (
+            protocol.Retrieve(id=ids[0], keep=keep, journal=journal) if len(ids) == 1
+            else protocol.RetrieveMany(ids=ids, keep=keep, journal=journal))
+        got: dict[str, Retrieved] = {}
+        failed: dict[str, errors.EscrowError] = {}
+        acked: list[Retrieved] = []
         try:
-            channel.send(protocol.Ack(id=sid, handoff_id=reply.handoff_id), deadline)
-            ack_sent = True
-            done, _ = channel.receive(deadline)
-        except errors.AckLate:
-            os.close(fd)  # the holder is draining it again: we must not become a second reader
-            raise
-        except (errors.HolderUnresponsive, errors.HolderUnavailable, errors.ProtocolViolation):
-            channel.close()
-            return self._resolve(result)
-        except errors.EscrowError:
-            os.close(fd)  # the holder refused our ack: it kept the session
-            raise
+            channel.send(request, deadline)
+            while len(got) + len(failed) < len(wanted):
+                try:
+                    reply, fds = channel.receive(deadline)
+                except errors.EscrowError as exc:
+                    sid = exc.session_id
+                    if sid not in wanted or sid in got or sid in failed:
+                        raise
+                    failed[sid] = exc  # refused: it stays escrowed
+                    continue
+                if not isinstance(reply, protocol.Handoff):
+                    close_fds(fds)
+                    raise errors.ProtocolViolation(
+                        f"expected handoff, got {type(reply).__name__}")
+                sid = reply.session.id
+                if sid not in wanted or sid in got or sid in failed or not os.isatty(fds[0]):
+                    # Do not ack: the holder keeps its copies and drains them again when we
+                    # hang up.
+                    close_fds(fds)
+                    if not keep:  # (a custody's connection ends custody when it closes)
+                        channel.close()
+                    raise errors.ProtocolViolation(
+                        f"the holder handed off {sid} unasked, twice, or as a non-terminal")
+                got[sid] = Retrieved(
+                    fds[0], reply.session, reply.replay, reply.dropped_bytes, reply.handoff_id,
+                    confirmed=False, replay_trimmed=reply.replay_trimmed,
+                    replay_journaled=reply.replay_journaled, journal=reply.journal,
+                    journal_fd=fds[1] if len(fds) > 1 else None)
+            # One ack for all (the holder's answers never pile up unread meanwhile).
+            if len(got) == 1:
+                (result,) = got.values()
+                ack: protocol.Message = protocol.Ack(
+                    id=result.session.id, handoff_id=result.handoff_id, keep=keep)
+            elif got:
+                ack = protocol.AckMany(acks={sid: r.handoff_id for sid, r in got.items()},
+                                       keep=keep)
+            if got:
+                acked.extend(got.values())
+                channel.send(ack, deadline)
+                self._receive_done(channel, set(got), got, failed, deadline)
+        except (errors.HolderUnresponsive, errors.HolderUnavailable,
+                errors.ProtocolViolation) as exc:
+            if not keep:
+                channel.close()
+            for result in list(got.values()):
+                if result.confirmed:
+                    continue
+                if result not in acked:
+                    got.pop(result.session.id).close()  # never acked: still the holder's
+                    failed[result.session.id] = exc
+                    continue
+                try:
+                    got[result.session.id] = (self._resolve_kept(result) if keep
+                                              else self._resolve(result))
+                except errors.EscrowError as unresolved:
+                    got.pop(result.session.id)
+                    failed[result.session.id] = unresolved
+            for sid in wanted - set(got) - set(failed):
+                failed[sid] = exc
         except BaseException as exc:
-            if not ack_sent:
-                os.close(fd)  # no ack left us: the holder drains it again when we hang up
+            for result in list(got.values()):
+                if result not in acked:
+                    got.pop(result.session.id).close()  # no ack left us: the holder's
+            if not acked:
                 raise
-            # Interrupted (Ctrl-C, SystemExit) after the ack: the holder may well have
-            # handed it off, so closing our copy could hang up the terminal for good.
-            # Keep it open and give it to whoever catches this.
-            exc.retrieved = result  # type: ignore[attr-defined]
+            # Interrupted (Ctrl-C, SystemExit) after acks: the holder may well have handed
+            # them off, so closing our copies could hang the terminals up for good. Keep
+            # them open and give them to whoever catches this.
+            exc.retrieved = next(iter(got.values()), None)  # type: ignore[attr-defined]
+            exc.retrieved_all = got  # type: ignore[attr-defined]
             raise
-        if not isinstance(done, protocol.Done):
-            channel.close()
-            return self._resolve(result)
-        result.confirmed = True
-        return result
+        return got, failed
+
+    def _receive_done(self, channel: Channel, waiting: set[str], got: dict[str, Retrieved],
+                      failed: dict[str, errors.EscrowError], deadline: Deadline) -> None:
+        """Read the answer to the ack of `waiting`: `done` (or `done_many`) confirms them;
+        a refusal (`ack_late`, `bad_request`) means the holder kept them and drains them
+        again, so our copies are closed: we must not become a second reader."""
+        try:
+            done, _ = channel.receive(deadline)
+        except (errors.HolderUnresponsive, errors.HolderUnavailable,
+                errors.ProtocolViolation):
+            raise
+        except errors.EscrowError as exc:
+            for sid in waiting:
+                got.pop(sid).close()
+                failed[sid] = exc
+            return
+        ids = ([done.id] if isinstance(done, protocol.Done)
+               else done.ids if isinstance(done, protocol.DoneMany) else [])
+        if set(ids) != waiting:
+            raise errors.ProtocolViolation(f"expected done, got {done!r:.80}")
+        for sid in ids:
+            got[sid].confirmed = True
+
+    def _resolve_kept(self, result: Retrieved) -> Retrieved:
+        """`done` never came for a retrieve into custody, and the custody connection is
+        gone with it. The session is ours only if the holder has it held for this process
+        (the holder took the ack and restarted: a custody that reconnects resumes it).
+        Otherwise it is escrowed still (or again): our copy is closed."""
+        sid = result.session.id
+        deadline = Deadline(self.timeout)
+        while True:
+            try:
+                with self._channel(deadline, use_breaker=False) as channel:
+                    reply, _ = channel.call(protocol.List(), deadline)
+                assert isinstance(reply, protocol.Sessions)
+                info = next((s for s in reply.sessions if s.id == sid), None)
+            except errors.EscrowError:
+                info = None
+            if (info is None or info.state != "handing_off"
+                    or info.handoff_id != result.handoff_id or deadline.remaining() < 0.02):
+                break
+            # Ours, still under way: a holder that restarted (and adopted it) completes it
+            # on an ack sent now (then the session is ours alone, out of escrow, and the
+            # custody deposits it again, with a journal of its own if one was asked);
+            # one still acting on our connection's end answers `busy`: ask again.
+            if self._ack_again(result, deadline):
+                if result.journal_fd is not None:
+                    os.close(result.journal_fd)
+                result.journal, result.journal_fd = None, None
+                return result
+            time.sleep(0.02)
+        if info is not None and info.state == "held" and info.custodian_pid == os.getpid():
+            result.confirmed = True
+            return result
+        result.close()
+        raise errors.HolderUnresponsive(
+            f"retrieving {sid} into custody was not confirmed; it is still escrowed "
+            f"({info.state if info else 'state unknown'}): retrieve it again", sid)
 
     def _resolve(self, result: Retrieved) -> Retrieved:
         """`done` never came: ask on a fresh connection who owns the fd (DESIGN §4 step 8).
@@ -255,12 +392,12 @@ class EscrowClient:
                 if info.handoff_id == result.handoff_id:
                     result.confirmed = True
                     return result
-                os.close(result.fd)  # somebody else's handoff, not ours
+                result.close()  # somebody else's handoff, not ours
                 raise errors.HandedOff(f"session {sid} was handed off to another client", sid)
             if state == "handing_off" and info is not None and info.handoff_id not in (
                 None, result.handoff_id
             ):
-                os.close(result.fd)  # another client's handoff: ours was put back first
+                result.close()  # another client's handoff: ours was put back first
                 raise errors.Busy(f"session {sid} is being handed off to another client", sid)
             if state == "handing_off":
                 # Ours. A holder that restarted (and adopted it) completes it on an ack sent
@@ -276,7 +413,7 @@ class EscrowClient:
             ):
                 return result  # a new deposit reused the id: ours was handed off, keep it
             if state in ("draining", "exited", "held"):
-                os.close(result.fd)  # the holder kept it and drains it: we must not read too
+                result.close()  # the holder kept it and drains it: we must not read too
                 raise errors.HolderUnresponsive(
                     f"handoff of {sid} was not confirmed; the session is still escrowed "
                     f"({state}): retrieve it again", sid,
@@ -295,7 +432,7 @@ class EscrowClient:
                 reply, _ = channel.call(protocol.Ack(id=sid, handoff_id=result.handoff_id),
                                         deadline)
         except errors.AckLate:
-            os.close(result.fd)  # the holder is draining it again: we must not read too
+            result.close()  # the holder is draining it again: we must not read too
             raise
         except errors.EscrowError:
             return False
@@ -307,7 +444,10 @@ class EscrowClient:
     def reclaim_all(
         self, deadline: float = DEFAULT_RECLAIM_DEADLINE, grace: float = DEFAULT_CUSTODY_GRACE
     ) -> ReclaimReport:
-        """Retrieve every session of this owner under one shared deadline.
+        """Retrieve every session of this owner under one shared deadline, over one
+        connection (`retrieve_many`). The sessions are the caller's, no longer escrowed:
+        `Custody.reclaim_all` takes them back into custody instead, which an app that
+        wants to survive its next crash too should use.
 
         `custody_held` is retried for `grace` seconds (the old instance may still be
         exiting); after that, a session whose custodian process is alive (or cannot be
@@ -321,11 +461,22 @@ class EscrowClient:
         error is raised: there is nothing to name in `failed`.
         """
         until = Deadline(deadline)
+        channel = self._connect(Deadline(min(self.timeout, until.remaining())))
+        try:
+            return self._reclaim(channel, until, deadline, grace)
+        finally:
+            channel.close()
+
+    def _reclaim(
+        self, channel: Channel, until: Deadline, deadline: float, grace: float,
+        keep: bool = False, journal: bool = False,
+    ) -> ReclaimReport:
+        """`reclaim_all` on `channel` (a custody's, with `keep`). Without `keep`, a
+        connection that failed is replaced for the next round; with it, it is not (custody
+        is the caller's to take back), and what is left fails."""
         report = ReclaimReport()
-        channel: Channel | None = None
         try:
             call = Deadline(min(self.timeout, until.remaining()))
-            channel = self._connect(call)
             w = channel.welcome
             self._check_invariant(w, self.timeout)
             self._check_invariant(w, deadline, "reclaim deadline")
@@ -343,32 +494,50 @@ class EscrowClient:
             grace_ends = Deadline(grace)
             pause = 0.02
             while pending:
-                retry: list[str] = []
-                for sid in pending:
-                    if until.remaining() <= w.drain_stop_budget + w.send_deadline:
+                if until.remaining() <= w.drain_stop_budget + w.send_deadline:
+                    for sid in pending:
                         # Out of time: keep the last real answer (custody_held, busy) if
                         # the session had one.
                         report.failed.setdefault(sid, errors.HolderUnresponsive(
                             f"not enough of the reclaim deadline left to retrieve {sid}", sid))
+                    break
+                call = Deadline(min(self.timeout, until.remaining()))
+                try:
+                    if channel.sock.fileno() < 0:
+                        if keep:
+                            raise errors.HolderUnavailable(
+                                "the custody connection closed during the reclaim")
+                        channel = self._connect(call)
+                    got, failed = {}, {}
+                    # One request for them all, where the holder has retrieve_many.
+                    size = (protocol.MAX_BATCH if "retrieve_many" in w.features else 1)
+                    for start in range(0, len(pending), size):
+                        batch = pending[start : start + size]
+                        more, less = self._retrieve_many_on(channel, batch, call, keep, journal)
+                        got.update(more)
+                        failed.update(less)
+                except errors.EscrowError as exc:
+                    got, failed = {}, dict.fromkeys(pending, exc)
+                    if not keep and isinstance(
+                        exc, errors.HolderUnresponsive | errors.HolderUnavailable
+                    ):
+                        channel.close()
+                except BaseException as exc:
+                    report.retrieved.update(getattr(exc, "retrieved_all", {}))
+                    raise
+                report.retrieved.update(got)
+                retry: list[str] = []
+                for sid in pending:
+                    why = failed.get(sid)
+                    if why is None:
+                        report.failed.pop(sid, None)
                         continue
-                    call = Deadline(min(self.timeout, until.remaining()))
-                    try:
-                        if channel.sock.fileno() < 0:
-                            channel = self._connect(call)
-                        report.retrieved[sid] = self._retrieve_on(channel, sid, call)
-                    except errors.CustodyHeld as exc:
-                        report.failed[sid] = exc
+                    report.failed[sid] = why
+                    if isinstance(why, errors.CustodyHeld):
                         if grace_ends.remaining() > 0 or _custodian_dead(live[sid]):
                             retry.append(sid)
-                    except errors.Busy as exc:
+                    elif isinstance(why, errors.Busy):
                         retry.append(sid)  # another client's handoff may yet be put back
-                        report.failed[sid] = exc
-                    except errors.EscrowError as exc:
-                        report.failed[sid] = exc
-                        if isinstance(exc, errors.HolderUnresponsive | errors.HolderUnavailable):
-                            channel.close()
-                    else:
-                        report.failed.pop(sid, None)
                 pending = retry
                 if pending:
                     time.sleep(min(pause, max(0.0, until.remaining())))
@@ -378,8 +547,8 @@ class EscrowClient:
             exc.reclaim_report = report  # type: ignore[attr-defined]
             raise
         finally:
-            if channel is not None:
-                channel.close()
+            if not keep:
+                channel.close()  # (a replacement made here; the first is the caller's too)
         return report
 
     # --- asking -----------------------------------------------------------------------------

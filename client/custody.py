@@ -13,6 +13,14 @@ with back-off and takes custody back: a session the new holder adopted is resume
 deposit from the same process and the same terminal), one it does not know is deposited
 again from the kept duplicate. Then `protected` is True again.
 
+Retrieving into custody (DESIGN §12): `retrieve` and `reclaim_all` take sessions back and
+keep them escrowed, held by this custody, in one step: no moment exists in which a crash of
+the app loses them.
+
+Journal: a session deposited (or retrieved) with `journal=True` gets its replay ring mapped
+here, and `record` (or `read`, which reads and records) appends what the app read, so that
+after a crash the replay holds what the session printed before it too.
+
 Forking: a child of the app never holds custody (DESIGN §3): at fork, the child closes every
 custody socket and kept duplicate, and runs no watcher (threads do not survive fork).
 """
@@ -28,12 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from . import errors, protocol
 from .channel import Channel, Deadline
+from .fdpass import close_fds
+from .journal import JournalError, JournalWriter
 from .platform import PEER_HUNG_UP
 
 if TYPE_CHECKING:
-    from .client import EscrowClient
+    from .client import EscrowClient, ReclaimReport, Retrieved
 
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 
@@ -52,10 +64,18 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 @dataclass
 class _Kept:
-    """A deposited session: the request that deposited it, and our duplicate of its master."""
+    """A deposited session: the request that deposited it, our duplicate of its master,
+    and its journal if it has one."""
 
     deposit: protocol.Deposit
     fd: int
+    journal: JournalWriter | None = None
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        os.close(self.fd)
 
 
 class Custody:
@@ -68,6 +88,7 @@ class Custody:
         channel.keep_open = True
         self._channel: Channel | None = channel
         self._lock = threading.RLock()  # one call at a time on the connection
+        self._journal_lock = threading.Lock()  # swapping journals (never held for a call)
         self._kept: dict[str, _Kept] = {}
         self._callbacks: list[Callable[[bool], None]] = []
         self._protected = True
@@ -89,19 +110,96 @@ class Custody:
         cols: int = 0,
         rows: int = 0,
         meta: dict[str, str] | None = None,
+        journal: bool = False,
     ) -> None:
         """Give the holder a duplicate of `fd` (a PTY master). The caller keeps reading its
-        own copy while this custody lasts; the holder does not touch it."""
+        own copy while this custody lasts; the holder does not touch it. With `journal`,
+        what the app passes to `record` (or reads with `read`) goes into the session's
+        replay too (if the holder has ring storage for it: see `journaled`)."""
         message = protocol.Deposit(id=session_id, label=label, child_pid=child_pid, cols=cols,
-                                   rows=rows, meta=meta or {})
-        kept = os.dup(fd)  # close-on-exec, as every fd Python makes
+                                   rows=rows, meta=meta or {}, journal=journal)
+        kept = _Kept(message, os.dup(fd))  # close-on-exec, as every fd Python makes
         try:
             with self._lock:
-                self._call(message, fd)
-                self._kept[session_id] = _Kept(message, kept)
+                reply, fds = self._call(message, fd)
+                self._set_journal(kept, reply, fds)
+                self._kept[session_id] = kept
         except BaseException:
-            os.close(kept)
+            kept.close()
             raise
+
+    def retrieve(self, session_id: str, journal: bool = False) -> Retrieved:
+        """Take one session back into this custody (`retrieve{keep}`): the caller gets the
+        fd and the replay, and the session stays escrowed, held here, as if deposited.
+        Raises as `EscrowClient.retrieve` does (CustodyHeld with no retry...)."""
+        with self._lock:
+            channel = self._usable_channel()
+            _needs(channel, "keep")
+            got, failed = self._client._retrieve_many_on(
+                channel, [session_id], Deadline(self._client.timeout), True, journal)
+            self._keep_retrieved(got, journal)
+        if session_id in failed:
+            raise failed[session_id]
+        return got[session_id]
+
+    def reclaim_all(
+        self, deadline: float | None = None, grace: float | None = None, journal: bool = False
+    ) -> ReclaimReport:
+        """`EscrowClient.reclaim_all`, into this custody: every session of the owner comes
+        back over this connection and stays escrowed, held here. What the app does at
+        launch: reclaim, write each replay, repaint, read."""
+        from .client import DEFAULT_CUSTODY_GRACE, DEFAULT_RECLAIM_DEADLINE
+        total = DEFAULT_RECLAIM_DEADLINE if deadline is None else deadline
+        with self._lock:
+            channel = self._usable_channel()
+            _needs(channel, "keep")
+            try:
+                report = self._client._reclaim(
+                    channel, Deadline(total), total,
+                    DEFAULT_CUSTODY_GRACE if grace is None else grace, True, journal)
+            except BaseException as exc:
+                partial = getattr(exc, "reclaim_report", None)
+                if partial is not None:
+                    self._keep_retrieved(partial.retrieved, journal)
+                raise
+            self._keep_retrieved(report.retrieved, journal)
+        return report
+
+    def update(self, session_id: str, cols: int | None = None, rows: int | None = None,
+               meta: dict[str, str] | None = None) -> None:
+        """The session's size or meta changed: `list` shows what is given from now on
+        (and a deposit made again after a holder restart carries it)."""
+        with self._lock:
+            self._call(protocol.Update(id=session_id, cols=cols, rows=rows, meta=meta))
+            kept = self._kept.get(session_id)
+            if kept is not None:
+                changes = {k: v for k, v in (("cols", cols), ("rows", rows), ("meta", meta))
+                           if v is not None}
+                kept.deposit = msgspec.structs.replace(kept.deposit, **changes)
+
+    def journaled(self, session_id: str) -> bool:
+        """True if what is recorded for this session goes into its replay."""
+        kept = self._kept.get(session_id)
+        return kept is not None and kept.journal is not None
+
+    def record(self, session_id: str, data: bytes | bytearray | memoryview) -> None:
+        """Append what the app read from the session's terminal to its replay (one copy
+        into shared memory). Nothing happens for a session without a journal. Call it
+        for every read, in order, and only while this custody is open."""
+        kept = self._kept.get(session_id)
+        writer = kept.journal if kept is not None else None
+        if writer is not None:
+            writer.record(data)
+
+    def read(self, session_id: str, size: int = 65536) -> bytes:
+        """Read from the session's terminal and record it: `os.read` on the master (with
+        its blocking mode), then `record`. EIO once the terminal hung up, as os.read."""
+        kept = self._kept.get(session_id)
+        if kept is None:
+            raise errors.SessionUnknown(f"session {session_id} is not held by this custody",
+                                        session_id)
+        writer = kept.journal
+        return os.read(kept.fd, size) if writer is None else writer.read(kept.fd, size)
 
     def release(self, session_id: str) -> None:
         """The user closed the session: the holder drops its copy. (Whatever the holder
@@ -112,7 +210,7 @@ class Custody:
                 self._call(protocol.Release(id=session_id))
             finally:
                 if kept is not None:
-                    os.close(kept.fd)
+                    kept.close()
 
     @property
     def protected(self) -> bool:
@@ -145,11 +243,16 @@ class Custody:
         if threading.current_thread() is not self._watcher:  # close() from a callback
             self._watcher.join()
         _open.discard(self)
+        # The app's journal writes stop before custody ends: then the ring is the holder's.
+        for kept in self._kept.values():
+            if kept.journal is not None:
+                kept.journal.close()
+                kept.journal = None
         try:
             self._end_and_confirm()
         finally:
             for kept in self._kept.values():
-                os.close(kept.fd)
+                kept.close()
             self._kept.clear()
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -162,17 +265,56 @@ class Custody:
 
     # --- the connection ------------------------------------------------------------------------
 
-    def _call(self, message: protocol.Message, fd: int | None = None) -> protocol.Response:
+    def _usable_channel(self) -> Channel:
         channel = self._channel
-        if channel is None:
+        if channel is None or self._closing:
             raise errors.HolderUnavailable(
                 f"custody of {self._client.owner} is being taken back from a holder that went "
                 "away; ask again in a moment")
+        return channel
+
+    def _call(
+        self, message: protocol.Message, fd: int | None = None
+    ) -> tuple[protocol.Response, list[int]]:
         # A timeout leaves the connection open (closing it would end custody of every
         # session on it while the app lives): the next call puts it back in step. A
         # holder that went away is the watcher's to notice (the socket hangs up).
-        reply, _ = channel.call(message, Deadline(self._client.timeout), fd=fd)
-        return reply
+        return self._usable_channel().call(message, Deadline(self._client.timeout), fd=fd)
+
+    def _set_journal(self, kept: _Kept, reply: protocol.Response, fds: list[int]) -> None:
+        """Map the state file a `deposited` carried (replacing an earlier mapping: a new
+        holder may have given a new file). Without one, the session has no journal."""
+        layout = reply.journal if isinstance(reply, protocol.Deposited) else None
+        writer = None
+        if layout is not None and fds:
+            try:
+                writer = JournalWriter(fds.pop(0), layout)
+            except JournalError:
+                writer = None  # escrowed all the same; only the journal is off
+        close_fds(fds)
+        with self._journal_lock:
+            old, kept.journal = kept.journal, writer
+        if old is not None:
+            old.close()
+
+    def _keep_retrieved(self, got: dict[str, Retrieved], journal: bool) -> None:
+        """Sessions retrieved into this custody: keep a duplicate of each (and its journal)
+        so that a holder restart cannot take them from us either."""
+        for sid, result in got.items():
+            if not result.confirmed or sid in self._kept:
+                continue
+            info = result.session
+            deposit = protocol.Deposit(id=sid, label=info.label, child_pid=info.child_pid,
+                                       cols=info.cols, rows=info.rows, meta=info.meta,
+                                       journal=journal)
+            kept = _Kept(deposit, os.dup(result.fd))
+            if result.journal is not None and result.journal_fd is not None:
+                fd, result.journal_fd = result.journal_fd, None
+                try:
+                    kept.journal = JournalWriter(fd, result.journal)
+                except JournalError:
+                    pass
+            self._kept[sid] = kept
 
     def _wake(self, why: bytes) -> None:
         try:
@@ -242,12 +384,20 @@ class Custody:
                 if only is not None and sid not in only:
                     continue
                 try:
-                    channel.call(kept.deposit, deadline, fd=kept.fd)
+                    reply, fds = channel.call(kept.deposit, deadline, fd=kept.fd)
                 except (errors.HolderUnavailable, errors.HolderUnresponsive,
                         errors.ProtocolViolation):
                     raise
                 except errors.EscrowError:
                     refused.add(sid)
+                    if kept.journal is not None:  # the holder writes that ring now, or none
+                        kept.journal.close()
+                        kept.journal = None
+                    continue
+                if self._closing:
+                    close_fds(fds)  # close() stopped the journals: they stay stopped
+                else:
+                    self._set_journal(kept, reply, fds)
         except BaseException:
             channel.close()
             raise
@@ -275,7 +425,10 @@ class Custody:
             self._channel = None
         for kept in self._kept.values():
             try:
-                os.close(kept.fd)
+                if kept.journal is not None:
+                    kept.journal.close_after_fork()
+                    kept.journal = None
+                kept.close()
             except OSError:
                 pass
         self._kept.clear()
@@ -286,6 +439,13 @@ class Custody:
             except OSError:
                 pass
         _open.discard(self)
+
+
+def _needs(channel: Channel, feature: str) -> None:
+    if feature not in channel.welcome.features:
+        raise errors.UnsupportedVersion(
+            f"the holder on {channel.socket_path} (version {channel.welcome.holder_version}) "
+            f"cannot {feature}: it is older than this client; upgrade it (escrowctl upgrade)")
 
 
 def _watch(ref: weakref.ref[Custody]) -> None:

@@ -5,9 +5,10 @@
 - `python -m escrow_client.demo app`: starts a shell in a new PTY printing a counter, shows
   a few ticks, deposits the PTY master with escrowd under custody, and exits. Its exit ends
   custody, as a crash would, and escrowd starts draining the terminal.
-- `python -m escrow_client.demo reclaim`: a fresh process retrieves the session, prints the
-  replay (the ticks nobody was reading), reads a few live ticks from the same terminal,
-  shows that the shell is the same process, then ends the shell and closes the terminal.
+- `python -m escrow_client.demo reclaim`: a fresh process retrieves the session into its
+  own custody (it stays escrowed), prints the replay (the ticks nobody was reading),
+  repaints, reads a few live ticks from the same terminal, shows that the shell is the same
+  process, then ends the shell and releases the session.
 
 The shell prints its own pid in every tick, so "the same process" is read off the terminal,
 not taken on trust.
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 
 from . import errors
 from .client import DEFAULT_TIMEOUT, EscrowClient, Retrieved
+from .custody import Custody
 from .liveness import process_alive, process_start_time
 from .protocol import LIVE_STATES
 
@@ -178,12 +180,13 @@ def run_app(args: argparse.Namespace) -> int:
 # --- the app after its relaunch ---------------------------------------------------------
 
 
-def _retrieve(client: EscrowClient, sid: str) -> Retrieved:
-    """Retrieve, retrying while the old app still holds custody (it may still be exiting)."""
+def _retrieve(client: EscrowClient, custody: Custody, sid: str) -> Retrieved:
+    """Retrieve into custody, retrying while the old app still holds it (it may still be
+    exiting)."""
     deadline = time.monotonic() + client.timeout
     while True:
         try:
-            return client.retrieve(sid)
+            return custody.retrieve(sid)
         except (errors.CustodyHeld, errors.Busy):
             if time.monotonic() > deadline:
                 raise
@@ -193,14 +196,16 @@ def _retrieve(client: EscrowClient, sid: str) -> Retrieved:
 def run_reclaim(args: argparse.Namespace) -> int:
     client = EscrowClient(OWNER, socket_path=args.socket, timeout=args.timeout,
                           client_name=f"escrowctl demo reclaim pid={os.getpid()}")
-    got = _retrieve(client, args.id)
-    try:
-        same, ok = _show_reclaimed(got, args)
-        say("   new app: the demo is over, so it ends the shell and closes the terminal")
-        if same:  # the live ticks prove args.shell_pid is still our shell
-            end_shell(args.shell_pid, process_start_time(args.shell_pid))
-    finally:
-        os.close(got.fd)
+    with client.custody() as custody:
+        got = _retrieve(client, custody, args.id)
+        try:
+            same, ok = _show_reclaimed(got, args)
+            say("   new app: the demo is over, so it ends the shell and closes the terminal")
+            if same:  # the live ticks prove args.shell_pid is still our shell
+                end_shell(args.shell_pid, process_start_time(args.shell_pid))
+            custody.release(args.id)
+        finally:
+            os.close(got.fd)
     left = [s for s in client.list() if s.id == args.id]
     state = left[0].state if left else "unknown"
     if state in LIVE_STATES:
@@ -214,12 +219,14 @@ def _show_reclaimed(got: Retrieved, args: argparse.Namespace) -> tuple[bool, boo
     """Show the replay and a few live ticks. Returns (the shell is the same process, that
     and no tick went missing either)."""
     confirmed = "confirmed by escrowd" if got.confirmed else "not confirmed, but it is ours"
-    say(f"   new app (pid {os.getpid()}): took back {OWNER}/{args.id} ({confirmed})")
+    say(f"   new app (pid {os.getpid()}): took back {OWNER}/{args.id} ({confirmed}),")
+    say("   into its custody: still escrowed, so a crash of this app would lose nothing")
     dropped = f" ({got.dropped_bytes} older bytes dropped)" if got.dropped_bytes else ""
     say(f"   escrowd hands over the {len(got.replay)} bytes the shell wrote while no app was "
         f"reading{dropped}:")
     lines = Lines()
     replayed = show(lines.feed(got.replay), "   replay | ")
+    got.repaint()  # a full-screen program would redraw now (a counter has nothing to redraw)
     say("   then the new app reads the same terminal, live:")
     live = read_ticks(got.fd, lines, LIVE_TICKS, "   live   | ")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import array
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from .platform import RECV_FLAGS, SEND_FLAGS, mark_cloexec
 from .protocol import HEADER, FrameError, ProtocolError, parse_header
@@ -67,11 +67,14 @@ class TruncatedFds(ProtocolError):
     only once the whole frame has been read, so the stream stays in step."""
 
 
-def rights(fd: int | None) -> Ancillary:
-    """The ancillary data that carries `fd`, or none."""
-    if fd is None:
+def rights(fds: int | Sequence[int] | None) -> Ancillary:
+    """The ancillary data that carries `fds` (one fd, or several in order), or none."""
+    if fds is None:
         return []
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+    listed = [fds] if isinstance(fds, int) else list(fds)
+    if not listed:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", listed).tobytes())]
 
 
 class FrameAssembler:
@@ -152,8 +155,10 @@ def recv_frame(sock: socket.socket, max_body: int) -> tuple[bytes, list[int]]:
         raise
 
 
-def send_frame(sock: socket.socket, frame: bytes, fd: int | None = None) -> None:
-    """Blocking: send one whole frame, `fd` riding on its first byte."""
+def send_frame(
+    sock: socket.socket, frame: bytes, fd: int | Sequence[int] | None = None
+) -> None:
+    """Blocking: send one whole frame, `fd` (or several) riding on its first byte."""
     view = memoryview(frame)
     ancdata = rights(fd)
     while view:

@@ -7,7 +7,9 @@ thing for implementers in other languages.
 A frame is a 4-byte big-endian unsigned length followed by a MessagePack map. Every map has
 a ``type`` field naming the message. Unknown fields are ignored (so new fields can be added
 with defaults); an unknown ``type`` is an error. Exactly two messages carry an fd as
-SCM_RIGHTS data on the first byte of their frame: ``deposit`` and ``handoff``.
+SCM_RIGHTS data on the first byte of their frame: ``deposit`` and ``handoff`` carry a PTY
+master; ``deposited`` and ``handoff`` also carry the session's state file when they answer
+a request for a journal (`fds_carried` says how many a message must have).
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ class Hello(Message, tag="hello"):
 
 
 class Deposit(Message, tag="deposit"):
-    """Carries the PTY master as SCM_RIGHTS. The sending connection becomes its custodian."""
+    """Carries the PTY master as SCM_RIGHTS. The sending connection becomes its custodian.
+    `journal`: the app will record what it reads into the session's ring (DESIGN §12);
+    `deposited` then carries the state file."""
 
     id: Name
     label: Label = ""
@@ -90,6 +94,7 @@ class Deposit(Message, tag="deposit"):
     cols: Dim = 0
     rows: Dim = 0
     meta: Meta = {}
+    journal: bool = False
 
 
 class Release(Message, tag="release"):
@@ -97,12 +102,53 @@ class Release(Message, tag="release"):
 
 
 class Retrieve(Message, tag="retrieve"):
+    """`keep`: after the ack the session stays escrowed, held by this connection (retrieve
+    into custody). `journal` (only with `keep`): the app goes on recording into the ring,
+    and `handoff` also carries the state file."""
+
     id: Name
+    keep: bool = False
+    journal: bool = False
+
+
+# How many sessions one retrieve_many may name.
+MAX_BATCH = 4096
+
+
+class RetrieveMany(Message, tag="retrieve_many"):
+    """Retrieve several sessions at once: one answer per id (`handoff` or `error` with
+    that id, in any order); then the client acks the handoffs it takes, each answered
+    `done`. The ids must be distinct."""
+
+    ids: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    keep: bool = False
+    journal: bool = False
+
+
+class Update(Message, tag="update"):
+    """The app's session changed size or meta: what is given replaces what was recorded."""
+
+    id: Name
+    cols: Dim | None = None
+    rows: Dim | None = None
+    meta: Meta | None = None
 
 
 class Ack(Message, tag="ack"):
+    """`keep` repeats the retrieve's: it matters only for an ack sent on a new connection
+    (the holder restarted mid-handoff), which then becomes the custodian."""
+
     id: Name
     handoff_id: str
+    keep: bool = False
+
+
+class AckMany(Message, tag="ack_many"):
+    """The acks of every handoff of a `retrieve_many`, in one message (id: handoff_id),
+    answered by one `done_many`."""
+
+    acks: Annotated[dict[Name, str], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    keep: bool = False
 
 
 class List(Message, tag="list"):
@@ -113,7 +159,8 @@ class Status(Message, tag="status"):
     pass
 
 
-Request = Hello | Deposit | Release | Retrieve | Ack | List | Status
+Request = (Hello | Deposit | Release | Retrieve | RetrieveMany | Update | Ack | AckMany | List
+           | Status)
 
 
 # --- holder to client -------------------------------------------------------------------
@@ -145,6 +192,11 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     replay_gaps: list[int] = []
 
 
+# What this holder does beyond the first version-1 holders: a client checks before it
+# relies on one (an older holder ignores `keep`, and would hand the session off for good).
+FEATURES = ("keep", "retrieve_many", "journal", "update")
+
+
 class Welcome(Message, tag="welcome"):
     version: int
     holder_version: str
@@ -153,9 +205,28 @@ class Welcome(Message, tag="welcome"):
     send_deadline: float
     ack_deadline: float
     limits: dict[str, int] = {}
+    features: list[str] = []
+
+
+class Journal(msgspec.Struct, kw_only=True):
+    """Where the app writes into a session's ring (its state file, DESIGN §12): the ring's
+    `capacity` in bytes, and the `position` in its data area where the byte counted as
+    number `total` goes (the state file's counter then said `total`)."""
+
+    capacity: int
+    total: int
+    position: int
 
 
 class Deposited(Message, tag="deposited"):
+    """`journal` is set when the deposit asked for one and the holder granted it: then the
+    state file rides on this message."""
+
+    id: str
+    journal: Journal | None = None
+
+
+class Updated(Message, tag="updated"):
     id: str
 
 
@@ -170,10 +241,22 @@ class Handoff(Message, tag="handoff"):
     session: SessionInfo
     replay: bytes
     dropped_bytes: int = 0
+    # Cut from the start of a replay whose ring wrapped, so it starts outside an escape
+    # sequence and a UTF-8 character (counted apart from `dropped_bytes`).
+    replay_trimmed: int = 0
+    # How many bytes of `replay` the app recorded (a journal), not the holder.
+    replay_journaled: int = 0
+    # With retrieve{keep, journal}: where the app goes on writing; the state file is the
+    # second fd.
+    journal: Journal | None = None
 
 
 class Done(Message, tag="done"):
     id: str
+
+
+class DoneMany(Message, tag="done_many"):
+    ids: list[str]
 
 
 class Sessions(Message, tag="sessions"):
@@ -210,10 +293,21 @@ class Error(Message, tag="error"):
     versions: list[int] | None = None
 
 
-Response = Welcome | Deposited | Released | Handoff | Done | Sessions | HolderStatus | Error
+Response = (Welcome | Deposited | Released | Handoff | Done | DoneMany | Sessions
+            | HolderStatus | Updated | Error)
 
-# Which messages carry exactly one fd; every other message carries none.
+# Which messages carry a PTY master; every other message carries none, except a
+# `deposited` with a journal (the state file).
 FD_CARRIERS: tuple[type[Message], ...] = (Deposit, Handoff)
+
+
+def fds_carried(message: Message) -> int:
+    """How many fds `message` must come with: the PTY master of a deposit or handoff,
+    and the state file of a granted journal."""
+    count = 1 if isinstance(message, FD_CARRIERS) else 0
+    if isinstance(message, Deposited | Handoff) and message.journal is not None:
+        count += 1
+    return count
 
 
 class ProtocolError(Exception):
@@ -262,7 +356,7 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
 
 def check_fds(message: Message, fd_count: int) -> None:
     """Raise ProtocolError unless `message` came with the number of fds it must carry."""
-    wanted = 1 if isinstance(message, FD_CARRIERS) else 0
+    wanted = fds_carried(message)
     if fd_count != wanted:
         name = type(message).__struct_config__.tag
         raise ProtocolError(f"a {name} frame must carry {wanted} fd(s), not {fd_count}")

@@ -13,7 +13,8 @@ adopted all the same. Each session resumes by the state it recorded:
   same holds for `handing_off`, whose sweep reads too.
 - `exited`: stays exited, its tail in the ring.
 - `handing_off`: waits for the ack of its recorded handoff (a client may still send it on
-  a new connection) until the ack deadline, then drains again.
+  a new connection) while the retrieving process lives (the ack deadline if its pid was
+  not recorded), then drains again.
 - `held`: stays held while its custodian process lives (escrowd.pidwatch), and drains the
   moment there is positive proof that it died. An app that comes back takes custody again
   on a new connection.
@@ -159,7 +160,8 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
     # `handing_off`) the sweep's, or a drain's last read as the handoff stopped it.
     in_flight = not record.clean and record.state in ("draining", "handing_off")
     trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
-                         record.length_at_layout, in_flight, record.saturated)
+                         record.length_at_layout, in_flight, record.saturated,
+                         record.consumed)
     session = Session.adopted(master, ring, record, holder.instance)
     if in_flight:
         session.gap_totals.append(ring.total)  # one read's bytes may be missing after here

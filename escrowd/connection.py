@@ -7,11 +7,13 @@ trio loop around them.
 from __future__ import annotations
 
 import errno
+from collections.abc import Sequence
 
 import trio
 
 from escrow_client import protocol
 from escrow_client.fdpass import ANCILLARY_SPACE, FrameAssembler, close_fds, rights
+from escrow_client.liveness import process_start_time
 from escrow_client.platform import RECV_FLAGS, SEND_FLAGS, harden_socket, peer_credentials
 
 
@@ -38,6 +40,13 @@ class Connection:
         self.client = ""
         self.client_timeout = 0.0
         self.custodian = False  # deposited at least once: never idle-timed-out
+        self._peer_start_time: float | None = None
+
+    def peer_start_time(self) -> float | None:
+        """When the peer process started (asked once: a custodian's identity with its pid)."""
+        if self._peer_start_time is None and self.peer_pid:
+            self._peer_start_time = process_start_time(self.peer_pid)
+        return self._peer_start_time
 
     async def receive_frame(self, max_body: int) -> tuple[bytes, list[int]]:
         """Read exactly one frame. EOFError at a clean end; ProtocolError on a bad frame
@@ -66,8 +75,11 @@ class Connection:
             raise
         return message, (fds[0] if fds else None)
 
-    async def send(self, message: protocol.Message, fd: int | None = None) -> None:
-        """Send one whole frame; `fd` rides on its first byte. MSG_NOSIGNAL on every send.
+    async def send(
+        self, message: protocol.Message, fd: int | Sequence[int] | None = None
+    ) -> None:
+        """Send one whole frame; `fd` (or several) rides on its first byte. MSG_NOSIGNAL on
+        every send.
 
         Bounded by `send_deadline`: a peer that does not read gets SendTimeout (an OSError),
         never a connection task stuck forever. After it the stream is out of step."""

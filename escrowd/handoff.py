@@ -1,51 +1,183 @@
-"""The handoff: giving an escrowed PTY master back to a relaunched app (DESIGN §4).
+"""The handoff: giving escrowed PTY masters back to a relaunched app (DESIGN §4, §12).
 
-Read top to bottom, this is the whole of it:
+One `retrieve` names one session, one `retrieve_many` several (an app reclaiming all its
+sessions at launch, over one connection); both go the same way. Read top to bottom, this is
+the whole of it:
 
-1. Refuse what cannot be handed off: a `held` session (its app still reads it) answers
-   `custody_held`, one `handing_off` answers `busy`, a tombstone answers its state.
-2. Stop the drain and wait for the task to have really finished; then sweep what is
-   readable into the ring's free space (never evicting, so nothing is lost and nothing is
-   delivered twice: what the sweep leaves stays in the kernel for the new reader). Both fit
-   inside `drain_stop_budget`.
-3. Restore the app's file status flags, take the fd out of trio's epoll, and send `handoff`
-   with the fd attached, inside `send_deadline`.
-4. Keep the holder's copy, unread, until the app's `ack` arrives (inside the ack deadline,
-   never shorter than the client's own timeout). Only then close it, leave a `handed_off`
-   tombstone and answer `done`: a sendmsg that succeeded proves only that the kernel queued
-   the fd; the ack proves the app has it.
+1. Refuse what cannot be handed off, each with its own answer: a `held` session (its app
+   still reads it) answers `custody_held`, one `handing_off` answers `busy`, a tombstone
+   answers its state.
+2. Stop the drains and wait for each task to have really finished; then sweep what is
+   readable into each ring's free space (never evicting, so nothing is lost and nothing is
+   delivered twice: what the sweep leaves stays in the kernel for the new reader). All of
+   it inside `drain_stop_budget`.
+3. Restore the app's file status flags, take each fd out of trio's epoll, and send a
+   `handoff` per session with its fd attached, each inside `send_deadline`. A replay whose
+   ring wrapped starts at a clean boundary (`replay_trimmed`).
+4. Keep the holder's copies, unread, until the app's `ack` for each arrives (inside the ack
+   deadline, never shorter than the client's own timeout; one `ack_many` may carry them
+   all, answered by one `done_many`). Only then is a session the
+   app's: without `keep`, the holder closes its copy and leaves a `handed_off` tombstone;
+   with `keep` (retrieve into custody) it keeps its copy and the session is `held` by this
+   connection, so that no moment exists in which a crash of the app loses it. Each ack is
+   answered `done`. A sendmsg that succeeded proves only that the kernel queued the fd;
+   the ack proves the app has it.
 
-Any failure after step 1 (the send fails, the peer hangs up, the ack never comes, a wrong
-message comes instead) puts the session back as it was, on the same fd with its ring
-untouched, and starts a fresh drain. Nothing here ever marks a session handed off without
-an ack.
+Any failure after step 1 (a send fails, the peer hangs up, an ack never comes, a wrong
+message comes instead) puts every session not yet acked back as it was, on the same fd with
+its ring untouched, and starts a fresh drain. Nothing here ever ends a session's escrow
+without an ack.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
 
 import trio
 
 from escrow_client import protocol
 
+from . import journal
 from .config import Config
 from .connection import Connection, SendTimeout
 from .log import log
 from .registry import Registry
 from .session import Session
+from .trim import clean_start
+
+
+@dataclass
+class _Claim:
+    """A session this retrieve is handing off: its state before (`draining` or
+    `exited`), and whether the app has acked it."""
+
+    session: Session
+    prior: str
+    acked: bool = False
 
 
 async def retrieve(
-    conn: Connection, sid: str, registry: Registry, config: Config, nursery: trio.Nursery
+    conn: Connection,
+    request: protocol.Retrieve | protocol.RetrieveMany,
+    registry: Registry,
+    config: Config,
+    nursery: trio.Nursery,
 ) -> bool:
-    """Answer one `retrieve`. Returns False when the connection is no longer usable (a
-    failed send leaves the peer mid-frame) and must be closed.
+    """Answer one `retrieve` or `retrieve_many`. Returns False when the connection is no
+    longer usable (a failed send leaves the peer mid-frame) and must be closed.
 
-    Cancellation: if cancelled mid-handoff (the holder is shutting down), the session is
-    put back before the cancellation propagates.
+    Cancellation: if cancelled mid-handoff (the holder is shutting down), every session
+    not acked is put back before the cancellation propagates.
     """
+    ids = [request.id] if isinstance(request, protocol.Retrieve) else request.ids
+    keep, with_journal = request.keep, request.journal
+    if with_journal and not keep:
+        await conn.send_error("bad_request", "journal needs keep: a journal is written only "
+                              "by the custodian")
+        return True
+    if len(set(ids)) != len(ids):
+        await conn.send_error("bad_request", "retrieve_many names a session twice")
+        return True
+
+    claims: list[_Claim] = []
+    why = "handoff interrupted"
+    try:
+        # Step 1: refuse, or claim.
+        for sid in ids:
+            session = await _claim(conn, sid, registry)
+            if session is not None:
+                claims.append(_Claim(session, session.state))
+                session.handoff_id = uuid.uuid4().hex  # visible in `list` while under way
+                session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if we die now
+                session.set_state("handing_off", f"retrieve handoff_id={session.handoff_id} "
+                                  f"peer_pid={conn.peer_pid}" + (" into custody" if keep else ""))
+                session.cancel_drain()  # now: not after a checkpoint where it could read
+
+        # Step 2: stop the drains, then sweep into free space only.
+        with trio.move_on_after(config.drain_stop_budget):
+            async with trio.open_nursery() as stoppers:
+                for claim in claims:
+                    stoppers.start_soon(_stop_and_sweep, claim.session)
+        for claim in list(claims):
+            session = claim.session
+            if session.hung_up:
+                claim.prior = "exited"
+            if session.has_drain():
+                # Its drain task did not finish in time. Let it finish in the background
+                # and drain again after it, so the terminal is never left without a reader.
+                claims.remove(claim)
+                _put_back(session, claim.prior, registry, nursery, "drain stop took too long")
+                nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
+                await conn.send_error("drain_stop_timeout",
+                                      f"could not stop draining {session.name} in time",
+                                      session.id)
+
+        # Step 3: send the fds.
+        layouts: dict[str, protocol.Journal | None] = {}
+        for claim in claims:
+            message, fds = _handoff(claim, with_journal)
+            layouts[claim.session.id] = message.journal
+            try:
+                await conn.send(message, fd=fds[0] if len(fds) == 1 else fds)
+            except OSError as exc:
+                why = f"handoff send failed: {_why(exc)}"
+                return False  # the peer may hold half a frame: the stream is out of step
+
+        # Step 4: wait for the acks.
+        pending = {claim.session.id: claim for claim in claims}
+        with trio.move_on_after(max(config.ack_deadline, conn.client_timeout)) as waiting:
+            while pending:
+                try:
+                    reply, fd = await conn.receive(config.max_request_bytes)
+                except (OSError, EOFError, protocol.ProtocolError) as exc:
+                    why = f"no ack: {_why(exc)}"
+                    # A bad message in a whole frame leaves the stream in step: answered,
+                    # and the connection goes on (a late ack gets `ack_late`).
+                    if isinstance(exc, protocol.ProtocolError) and not isinstance(
+                        exc, protocol.FrameError
+                    ):
+                        _put_back_all(claims, registry, nursery, why)
+                        await conn.send_error("bad_request", f"expected ack: {exc}")
+                        return True
+                    return False
+                if fd is not None:
+                    os.close(fd)  # only a deposit carries one, and a deposit is not an ack
+                if isinstance(reply, protocol.AckMany):
+                    acks = reply.acks
+                elif isinstance(reply, protocol.Ack):
+                    acks = {reply.id: reply.handoff_id}
+                else:
+                    acks = {}
+                if not acks or any(pending.get(sid) is None
+                                   or pending[sid].session.handoff_id != handoff_id
+                                   for sid, handoff_id in acks.items()):
+                    waited = ", ".join(str(c.session.handoff_id) for c in pending.values())
+                    why = f"expected ack for handoff {waited}, got {type(reply).__name__}"
+                    log("bad_request", conn=conn.number, peer_pid=conn.peer_pid, reason=why,
+                        sessions=",".join(sorted(pending)))
+                    _put_back_all(claims, registry, nursery, why)
+                    await conn.send_error("bad_request", f"expected ack for handoff {waited}",
+                                          next(iter(pending)) if len(pending) == 1 else None)
+                    return True
+                for sid in acks:
+                    acked = pending.pop(sid)
+                    complete(acked.session, conn, registry, keep, layouts[sid])
+                    acked.acked = True
+                if isinstance(reply, protocol.AckMany):
+                    await conn.send(protocol.DoneMany(ids=list(acks)))
+                else:
+                    await conn.send(protocol.Done(id=next(iter(acks))))
+        if waiting.cancelled_caught:
+            why = "no ack: deadline"
+        return True
+    finally:
+        _put_back_all(claims, registry, nursery, why)
+
+
+async def _claim(conn: Connection, sid: str, registry: Registry) -> Session | None:
+    """The session to hand off, or None after answering why it cannot be."""
     session = registry.get(conn.owner, sid)
     if session is None:
         tomb = registry.tombstone(conn.owner, sid)
@@ -53,90 +185,82 @@ async def retrieve(
             await conn.send_error(tomb.state, f"session {conn.owner}/{sid} is {tomb.state}", sid)
         else:
             await conn.send_error("unknown", f"no session {conn.owner}/{sid} is known", sid)
-        return True
+        return None
     if session.state == "held":
         await conn.send_error(
             "custody_held", f"session {session.name} is still held by its app", sid
         )
-        return True
+        return None
     if session.state == "handing_off":
         await conn.send_error("busy", f"session {session.name} is being handed off", sid)
-        return True
+        return None
+    return session
 
-    prior = session.state  # draining or exited
-    handoff_id = uuid.uuid4().hex
-    session.handoff_id = handoff_id  # visible in `list` while under way
-    session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if the holder dies now
-    session.set_state("handing_off", f"retrieve handoff_id={handoff_id} peer_pid={conn.peer_pid}")
-    acked = False
-    try:
-        # Step 2: stop the drain, then sweep into free space only.
-        with trio.move_on_after(config.drain_stop_budget):
-            await session.stop_drain()
-            session.pull(overwrite=False)
-        if session.hung_up:
-            prior = "exited"
-        if session.has_drain():
-            # The drain task did not finish in time. Let it finish in the background and
-            # drain again after it, so the terminal is never left without a reader.
-            _put_back(session, prior, registry, nursery, "drain stop took too long")
-            nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
-            await conn.send_error(
-                "drain_stop_timeout", f"could not stop draining {session.name} in time", sid
-            )
-            return True
 
-        # Step 3: send the fd.
-        session.leave_event_loop()
-        info = session.info()
-        info.state = prior  # type: ignore[assignment]
-        message = protocol.Handoff(
-            handoff_id=handoff_id,
-            session=info,
-            replay=session.ring.contents(),
-            dropped_bytes=session.ring.dropped,
-        )
-        try:
-            await conn.send(message, fd=session.fd)
-        except OSError as exc:
-            _put_back(session, prior, registry, nursery, f"handoff send failed: {_why(exc)}")
-            return False  # the peer may hold half a frame: the stream is out of step
+async def _stop_and_sweep(session: Session) -> None:
+    await session.stop_drain()
+    session.pull(overwrite=False)
 
-        # Step 4: wait for the ack.
-        try:
-            with trio.fail_after(max(config.ack_deadline, conn.client_timeout)):
-                reply, fd = await conn.receive(config.max_request_bytes)
-        except (OSError, EOFError, protocol.ProtocolError, trio.TooSlowError) as exc:
-            _put_back(session, prior, registry, nursery, f"no ack: {_why(exc)}")
-            # A timeout or a bad message in a whole frame leaves the stream in step: the
-            # connection goes on, and a late ack gets `ack_late`.
-            if isinstance(exc, trio.TooSlowError | protocol.ProtocolError) and not isinstance(
-                exc, protocol.FrameError
-            ):
-                if isinstance(exc, protocol.ProtocolError):
-                    await conn.send_error("bad_request", f"expected ack: {exc}", sid)
-                return True
-            return False
-        if fd is not None:
-            os.close(fd)  # only a deposit carries one, and a deposit is not an ack
-        if not (
-            isinstance(reply, protocol.Ack) and reply.id == sid and reply.handoff_id == handoff_id
-        ):
-            why = f"expected ack for handoff {handoff_id}, got {type(reply).__name__}"
-            log("bad_request", conn=conn.number, session=session.name, peer_pid=conn.peer_pid,
-                reason=why)
-            _put_back(session, prior, registry, nursery, why)
-            await conn.send_error("bad_request", f"expected ack for handoff {handoff_id}", sid)
-            return True
 
+def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[int]]:
+    """The `handoff` message for a claimed session, and the fds it carries. Takes the fd
+    out of the event loop."""
+    session, ring = claim.session, claim.session.ring
+    session.leave_event_loop()
+    info = session.info()
+    info.state = claim.prior  # type: ignore[assignment]
+    replay = ring.contents()
+    # Only a ring that lost its oldest bytes can start inside a line, a sequence or a
+    # character; a replay that starts where the app stopped reading does not.
+    trimmed = clean_start(replay) if ring.dropped else 0
+    if trimmed:
+        replay = replay[trimmed:]
+        info.replay_gaps = [at - trimmed for at in info.replay_gaps if at >= trimmed]
+        info.replay_gap_at = info.replay_gaps[-1] if info.replay_gaps else None
+    layout = journal.grant(session) if with_journal else None
+    message = protocol.Handoff(
+        handoff_id=session.handoff_id or "",
+        session=info,
+        replay=replay,
+        dropped_bytes=ring.dropped,
+        replay_trimmed=trimmed,
+        replay_journaled=journal.journaled(session, ring.total - len(replay)),
+        journal=layout,
+    )
+    fds = [session.fd] if layout is None else [session.fd, ring.state.fd]
+    return message, fds
+
+
+def complete(session: Session, conn: Connection, registry: Registry, keep: bool,
+             layout: protocol.Journal | None) -> None:
+    """The app acked: the session is its. With `keep` the holder keeps its copy and the
+    session is held by `conn` (the app journals into it if `layout` was granted); without,
+    the holder's copy is closed."""
+    handoff_id = session.handoff_id
+    registry.handoffs += 1
+    if not keep:
         registry.bury(session, "handed_off", f"acked handoff_id={handoff_id}")
-        registry.handoffs += 1
-        acked = True
-        await conn.send(protocol.Done(id=sid))
-        return True
-    finally:
-        if not acked and session.state == "handing_off":
-            _put_back(session, prior, registry, nursery, "handoff interrupted")
+        return
+    session.handoff_id = session.handoff_peer_pid = None
+    session.adopted_handoff = False
+    session.custodian_pid = conn.peer_pid
+    session.custodian_start_time = conn.peer_start_time()
+    if layout is not None:
+        journal.begin(session)
+    else:
+        session.ring.consume()  # delivered: the next replay starts where this one ended
+    session.set_state("held", f"acked handoff_id={handoff_id} into custody")
+    session.take_custody(conn, f"retrieved into custody by conn={conn.number}")
+    conn.custodian = True
+
+
+def _put_back_all(claims: list[_Claim], registry: Registry, nursery: trio.Nursery,
+                  reason: str) -> None:
+    """Every claimed session the app has not acked goes back (before the app is told
+    anything, so that what it asks next finds them draining again)."""
+    for claim in claims:
+        if not claim.acked:
+            _put_back(claim.session, claim.prior, registry, nursery, reason)
 
 
 def _put_back(

@@ -24,6 +24,8 @@ _MAX_VALUE = 1000  # characters of one value as written; a longer one is cut, en
 _UNSAFE_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp", "Zs"}
 _NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", '"': '\\"'}
 _PLAIN = re.compile(r"[A-Za-z0-9._:@/+,%()-]+")
+# Printable ASCII but the quote and the backslash: safe inside quotes as it is.
+_QUOTABLE = re.compile(r"[ !#-\[\]-~]*")
 
 
 def _escape(c: str) -> str:
@@ -45,6 +47,8 @@ def _format(value: object) -> str:
     text = f"{value:.3f}" if isinstance(value, float) else str(value)
     if len(text) <= _MAX_VALUE and _PLAIN.fullmatch(text):
         return text
+    if len(text) <= _MAX_VALUE - 2 and _QUOTABLE.fullmatch(text):
+        return f'"{text}"'  # (most reasons: words and spaces, no escape needed)
     parts: list[str] = []
     room = _MAX_VALUE
     for c in text[:_MAX_VALUE]:

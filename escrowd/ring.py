@@ -41,6 +41,7 @@ class Layout(TypedDict):
     total_at_layout: int
     length_at_layout: int
     saturated: bool
+    consumed: int
 
 
 class RingBudget:
@@ -94,6 +95,9 @@ class Ring:
         # A read may overwrite held bytes (the ring could not grow enough for it): in the
         # layout before such a read is made.
         self.saturated = False
+        # Counted in `total` but neither held nor dropped: delivered by a retrieve into
+        # custody (`consume`).
+        self.consumed = 0
         self.on_layout: Callable[[], None] | None = None
 
     # --- what is held --------------------------------------------------------------------
@@ -109,7 +113,7 @@ class Ring:
 
     @property
     def dropped(self) -> int:
-        return self._total - self.size
+        return self._total - self.size - self.consumed
 
     def contents(self) -> bytes:
         """Every byte held, oldest first."""
@@ -126,7 +130,57 @@ class Ring:
         """The fields of a state record that say where the bytes are."""
         return {"capacity": self.capacity, "origin": self.origin,
                 "total_at_layout": self.total_at_layout,
-                "length_at_layout": self.length_at_layout, "saturated": self.saturated}
+                "length_at_layout": self.length_at_layout, "saturated": self.saturated,
+                "consumed": self.consumed}
+
+    def position(self, total: int) -> int:
+        """Where in `data` the byte numbered `total` goes (0 for a ring with no storage)."""
+        if self.capacity == 0:
+            return 0
+        return (self.origin + self.length_at_layout + total - self.total_at_layout) % self.capacity
+
+    # --- a journal (escrow_client.journal writes the ring while the app holds custody) ------
+
+    def grow_fully(self) -> None:
+        """Take all the storage the budget grants, up to the limit, before an app starts
+        writing (it cannot grow the ring itself)."""
+        while self._grow():
+            pass
+
+    def consume(self) -> None:
+        """Everything held was delivered (a retrieve into custody without a journal): the
+        replay starts empty from here, and those bytes are not counted as dropped."""
+        self.consumed += self.size
+        self._relayout(self.position(self._total), self._total, 0)
+
+    def resync(self) -> int:
+        """Custody ended on a ring an app was writing: take its counter as ours. If the app
+        died with a write in flight, the oldest bytes that write may have overwritten are
+        dropped (returns how many): a replay never holds torn output."""
+        state = self.state
+        in_flight = max(0, state.writing - state.total)
+        self._total = state.total
+        self._length = self.length_at_layout + self._total - self.total_at_layout
+        state.clear_writing()
+        suspect = 0
+        held = self.size
+        if in_flight and self.capacity:
+            suspect = min(held, max(0, held + in_flight - self.capacity))
+        if suspect or self._length > held:
+            # Relaid out with only what is held (and sound): the counters stay small.
+            self._relayout(self.position(self._total) - (held - suspect), self._total,
+                           held - suspect)
+        elif self.on_layout is not None:
+            self.on_layout()
+        return suspect
+
+    def _relayout(self, origin: int, total: int, length: int) -> None:
+        cap = self.capacity
+        self.origin = origin % cap if cap else 0
+        self.total_at_layout, self.length_at_layout = total, length
+        self._length = length
+        if self.on_layout is not None:
+            self.on_layout()
 
     # --- reading in ------------------------------------------------------------------------
 
@@ -216,13 +270,14 @@ class Ring:
     # --- adoption --------------------------------------------------------------------------
 
     def adopt(self, capacity: int, origin: int, total_at_layout: int, length_at_layout: int,
-              unclean: bool, saturated: bool = True) -> int:
+              unclean: bool, saturated: bool = True, consumed: int = 0) -> int:
         """Take over the layout a state file recorded (a holder starting with stored
         state). After an unclean stop a read may have been in flight: if the layout was
         `saturated` (the ring could grow no more), its bytes may have overwritten the oldest
         ones before the counter moved, so those are dropped. Returns how many bytes that
         dropped."""
         self._budget.take(capacity)
+        self.consumed = consumed
         self.capacity, self.origin = capacity, origin
         self.total_at_layout, self.length_at_layout = total_at_layout, length_at_layout
         self._total = self.state.total

@@ -30,7 +30,7 @@ from escrow_client.platform import (
     terminal_identity,
 )
 
-from . import __version__, handoff
+from . import __version__, handoff, journal
 from .adoption import Adoption, adopt
 from .config import Config
 from .connection import Connection, SendTimeout
@@ -371,6 +371,7 @@ class Holder:
                 send_deadline=c.send_deadline,
                 ack_deadline=c.ack_deadline,
                 limits=c.limits(),
+                features=list(protocol.FEATURES),
             )
         )
         return True
@@ -379,20 +380,27 @@ class Holder:
         while (got := await self._receive(conn)) is not None:
             request, fd = got
             match request:
-                case protocol.Deposit() | protocol.Retrieve() if self.stopping:
+                case (protocol.Deposit() | protocol.Retrieve() | protocol.RetrieveMany()
+                      | protocol.Update()) if self.stopping:
                     if fd is not None:
                         os.close(fd)
                     await conn.send_error("busy", "the holder is restarting; ask again",
-                                          request.id)
+                                          getattr(request, "id", None))
                 case protocol.Deposit():
                     assert fd is not None
                     await self._deposit(conn, request, fd)
-                case protocol.Retrieve(id=sid):
-                    if not await handoff.retrieve(conn, sid, self.registry, self.config,
+                case protocol.Retrieve() | protocol.RetrieveMany():
+                    if not await handoff.retrieve(conn, request, self.registry, self.config,
                                                   self.nursery):
                         return
+                case protocol.Update():
+                    await self._update(conn, request)
                 case protocol.Ack():
                     await self._late_ack(conn, request)
+                case protocol.AckMany():
+                    await conn.send_error("ack_late", "no retrieve_many waits for these acks "
+                                          "here: the holder kept the sessions; ack each on "
+                                          "its own to complete a handoff it took over")
                 case protocol.Release(id=sid):
                     await self._release(conn, sid)
                 case protocol.List(all_owners=all_owners):
@@ -425,7 +433,7 @@ class Holder:
                 os.close(fd)  # the holder has this terminal already
                 held.take_custody(conn, "custody resumed by its app on a new connection")
                 conn.custodian = True
-                await conn.send(protocol.Deposited(id=request.id))
+                await self._deposited(conn, held, request.journal)
                 return
             self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
@@ -458,7 +466,38 @@ class Holder:
             return
         conn.custodian = True
         self.counters["deposits"] += 1
-        await conn.send(protocol.Deposited(id=request.id))
+        await self._deposited(conn, session, request.journal)
+
+    async def _deposited(self, conn: Connection, session: Session, with_journal: bool) -> None:
+        """Answer a deposit; with the state file, where the app records, if it asked for a
+        journal (or journals already: a resume)."""
+        if not with_journal:  # (never an fd that was not asked for)
+            await conn.send(protocol.Deposited(id=session.id))
+            return
+        layout = journal.grant(session)
+        if layout is None:  # no ring storage to be had: escrowed, but not journaled
+            await conn.send(protocol.Deposited(id=session.id))
+            return
+        journal.begin(session)
+        await conn.send(protocol.Deposited(id=session.id, journal=layout),
+                        fd=session.ring.state.fd)
+
+    async def _update(self, conn: Connection, request: protocol.Update) -> None:
+        session = self.registry.get(conn.owner, request.id)
+        if session is None:
+            tomb = self.registry.tombstone(conn.owner, request.id)
+            code = tomb.state if tomb is not None else "unknown"
+            await conn.send_error(code, f"session {conn.owner}/{request.id} is {code}",
+                                  request.id)
+            return
+        if request.cols is not None:
+            session.cols = request.cols
+        if request.rows is not None:
+            session.rows = request.rows
+        if request.meta is not None:
+            session.meta = request.meta
+        session.persist()
+        await conn.send(protocol.Updated(id=request.id))
 
     def _end_custody_already_ended(self) -> None:
         """Stopping: a custodian that has already hung up (an app handing off right now)
@@ -507,11 +546,12 @@ class Holder:
         session = self.registry.get(conn.owner, ack.id)
         if (session is not None and session.adopted_handoff
                 and session.handoff_id == ack.handoff_id):
-            # A handoff a stopped holder began, acked on a new connection: it completes.
+            # A handoff a stopped holder began, acked on a new connection: it completes
+            # (into custody of this connection, if it was a retrieve into custody).
             session.adopted_handoff = False
-            self.registry.bury(session, "handed_off", f"acked handoff_id={ack.handoff_id} "
-                               "begun by the holder before")
-            self.registry.handoffs += 1
+            session.log("late_ack", handoff_id=ack.handoff_id, keep=ack.keep,
+                        reason="begun by the holder before")
+            handoff.complete(session, conn, self.registry, ack.keep, None)
             await conn.send(protocol.Done(id=ack.id))
             return
         if (session is not None and session.state == "handing_off"

@@ -28,6 +28,7 @@ from escrow_client.liveness import process_alive
 from escrow_client.platform import terminal_identity
 from escrow_client.protocol import Deposit, SessionInfo
 
+from . import journal
 from .log import log
 from .ring import Ring
 from .statefile import Record
@@ -79,6 +80,10 @@ class Session:
         self.handoff_id: str | None = None
         self.handoff_peer_pid: int | None = None  # the retrieving client's, while handing_off
         self.gap_totals: list[int] = []  # see replay_gaps
+        # The app journals into the ring from this total on (None: it does not); the
+        # totals [from, to) of earlier journals (see escrowd.journal).
+        self.journal_from: int | None = None
+        self.journal_ranges: list[tuple[int, int]] = []
         self.hung_up = False  # a read failed: the last slave fd is closed
         self._saved_flags: int | None = None
         self._init_runtime()
@@ -113,6 +118,8 @@ class Session:
         self.state, self.handoff_id = record.state, record.handoff_id
         self.handoff_peer_pid = record.handoff_peer_pid
         self.gap_totals = list(record.gap_totals)
+        self.journal_from = record.journal_from
+        self.journal_ranges = [(a, b) for a, b in record.journal_ranges]
         self.hung_up = False
         self._saved_flags = record.saved_flags
         self._init_runtime()
@@ -142,6 +149,7 @@ class Session:
             handoff_id=self.handoff_id, handoff_peer_pid=self.handoff_peer_pid,
             saved_flags=self._saved_flags,
             gap_totals=self.gap_totals, instance=self.instance, clean=clean,
+            journal_from=self.journal_from, journal_ranges=self.journal_ranges,
             **self.ring.layout(),
         ))
 
@@ -205,6 +213,8 @@ class Session:
     def start_drain(self, nursery: trio.Nursery, reason: str) -> None:
         """Become the reader: save the fd's flags, make it non-blocking, start the drain."""
         assert self._drain_done is None, "one drain task per session"
+        if self.journal_from is not None:
+            journal.end(self)  # the app wrote the ring until now; from here on, we do
         if self._saved_flags is None:  # else a drain restarted before the flags were restored
             self._saved_flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         fcntl.fcntl(self.fd, fcntl.F_SETFL, self._saved_flags | os.O_NONBLOCK)
@@ -247,10 +257,14 @@ class Session:
                     self.set_state("exited", "terminal hung up")
                 return
 
-    async def stop_drain(self) -> None:
-        """Stop the drain task and wait until it has really finished (idempotent)."""
+    def cancel_drain(self) -> None:
+        """Ask the drain task to stop; `stop_drain` waits for it."""
         if self._drain_scope is not None:
             self._drain_scope.cancel()
+
+    async def stop_drain(self) -> None:
+        """Stop the drain task and wait until it has really finished (idempotent)."""
+        self.cancel_drain()
         if self._drain_done is not None:
             await self._drain_done.wait()
         self._drain_scope = self._drain_done = None

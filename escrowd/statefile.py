@@ -5,8 +5,10 @@ store (or the keeper's) next to the PTY master.
 The file (native byte order and sizes: it never leaves the machine):
 
     page 0   fixed header (64 bytes): magic, layout version, data offset and size, a
-             checksum of those, and `total`, the one hot counter: every byte ever read
-             into the ring; then record slots 0 and 1 (1,984 bytes each)
+             checksum of those, `total`, the one hot counter: every byte ever read into
+             the ring, and `writing`: what `total` becomes once an app's journal write in
+             flight is in place (escrow_client.journal); then record slots 0 and 1
+             (1,984 bytes each)
     then     record slots 2 and 3 (BIG_SLOT bytes each), for records too big for page 0
     then     the ring's bytes (`data`), `size` of them
 
@@ -36,11 +38,10 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-MAGIC = b"ESCROWSF"
-LAYOUT_VERSION = 1
+from escrow_client.journal import FIXED as _FIXED
+from escrow_client.journal import LAYOUT_VERSION, MAGIC, MAX_WRITE, TOTAL_OFFSET
+
 PAGE = 4096
-_FIXED = struct.Struct("=8sIIQQ")  # magic, version, crc of the rest, data offset, data size
-TOTAL_OFFSET = 32  # the hot counter, 8-byte aligned
 SMALL_SLOT = (PAGE - 64) // 2
 BIG_SLOT = 256 * 1024  # a record with 32 meta entries of 1,024 4-byte characters fits
 _SLOTS = ((64, SMALL_SLOT), (64 + SMALL_SLOT, SMALL_SLOT),
@@ -50,7 +51,8 @@ _SLOT_HEAD = struct.Struct("=QII")  # sequence number, payload length, CRC-32
 # The most one read into the ring may write (a pty read returns at most about 4 KiB):
 # after an unclean stop, at most this much of a full ring can have been overwritten
 # uncounted.
-MAX_READ = 8 * 1024
+# (An app's journal writes are cut to the same size, for the same reason.)
+MAX_READ = MAX_WRITE
 
 
 R = TypeVar("R", "Record", "HolderRecord")
@@ -87,6 +89,9 @@ class Record(msgspec.Struct, kw_only=True):
     total_at_layout: int = 0
     length_at_layout: int = 0
     saturated: bool = False  # the ring could grow no more: a read may overwrite its oldest
+    consumed: int = 0  # bytes counted in `total` that a retrieve into custody delivered
+    journal_from: int | None = None  # the app journals into the ring from this total on
+    journal_ranges: list[tuple[int, int]] = []  # [from, to) totals an app recorded
     gap_totals: list[int] = []  # byte numbers after which one read may be missing
     instance: str = ""  # the holder that wrote it
     clean: bool = False  # True only once a holder stopped cleanly after writing it
@@ -142,7 +147,8 @@ class StateFile(Generic[R]):
             raise
         self.size = int(size)
         self.data = self._view[DATA_OFFSET : DATA_OFFSET + self.size]
-        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 8].cast("Q")
+        # `total`, then `writing` (an app's journal write in flight, if above `total`).
+        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 16].cast("Q")
         self._slot_seq: dict[int, int] = {}
         self._newest_slot: int | None = None
         self._seq: int
@@ -178,6 +184,15 @@ class StateFile(Generic[R]):
     def set_total(self, total: int) -> None:
         """One aligned 8-byte store: a kill leaves the old value or the new, never half."""
         self._total[0] = total
+
+    @property
+    def writing(self) -> int:
+        """Above `total` while an app's journal write is in flight (or was, when the app
+        died): its bytes may be partly in place, uncounted."""
+        return int(self._total[1])
+
+    def clear_writing(self) -> None:
+        self._total[1] = self._total[0]
 
     # --- records -----------------------------------------------------------------------------
 

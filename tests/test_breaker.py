@@ -24,6 +24,7 @@ import pytest
 from conftest import OWNER, HolderProcess, PtyChild, start_holder, wait_for
 from escrow_client import (
     EscrowClient,
+    EscrowError,
     HolderUnavailable,
     HolderUnresponsive,
     ReclaimReport,
@@ -171,22 +172,25 @@ class _WedgesAtFirstRetrieve(EscrowClient):
         self.holder = holder
         self.wedged = False
 
-    def _retrieve_on(self, channel: Channel, sid: str, deadline: Deadline) -> Retrieved:
+    def _retrieve_many_on(
+        self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
+        journal: bool = False,
+    ) -> tuple[dict[str, Retrieved], dict[str, EscrowError]]:
         if not self.wedged:
             self.wedged = True
             _wedge(self.holder)
-        return super()._retrieve_on(channel, sid, deadline)
+        return super()._retrieve_many_on(channel, ids, deadline, keep, journal)
 
 
 def test_holder_wedging_mid_reclaim_costs_one_timeout_not_one_per_session(
     make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild]
 ) -> None:
     """Incident pinned: a holder that wedges during reclaim_all cost the launch one timeout
-    per session (5 × the client timeout). The list answers, the first retrieve times out
-    (the only timeout paid), the other four fail fast on the open breaker and are reported
-    in `failed`; all five stay escrowed (the first one's queued retrieve, answered to a
-    client that had gone, fails its send and drains again) and are reclaimed in full, with
-    contiguous output, once the holder is resumed."""
+    per session (5 × the client timeout). The list answers, the one `retrieve_many` for all
+    five times out (the only timeout paid), and all five are reported in `failed`; all five
+    stay escrowed (the queued retrieve, answered to a client that had gone, fails its sends
+    and they drain again) and are reclaimed in full, with contiguous output, once the
+    holder is resumed."""
     holder = make_holder(*FAST_BUDGETS)
     kids = _hand_off_tickers(holder, pty_children)
     client = _WedgesAtFirstRetrieve(holder, timeout=CLIENT_TIMEOUT)
@@ -200,9 +204,8 @@ def test_holder_wedging_mid_reclaim_costs_one_timeout_not_one_per_session(
         assert report.retrieved == {}
         assert sorted(report.failed) == sorted(kids)
         assert all(isinstance(e, HolderUnresponsive) for e in report.failed.values())
-        paid = [sid for sid, e in report.failed.items()
-                if isinstance(e, HolderUnresponsive) and e.timed_out]
-        assert paid == ["tab-0"], f"timeouts paid by {paid}"
+        assert all(e.timed_out for e in report.failed.values())  # type: ignore[attr-defined]
+        assert took < 2 * CLIENT_TIMEOUT
         assert breaker.timeouts_paid(holder.socket) == 1
     finally:
         _resume(holder)
@@ -210,11 +213,12 @@ def test_holder_wedging_mid_reclaim_costs_one_timeout_not_one_per_session(
         breaker.reset(holder.socket)
         wait_for(lambda: _states(holder) == dict.fromkeys(kids, "draining"),
                  what="all five draining again after the wedge")
-        # tab-0's retrieve was queued in the stopped holder: on resuming it hands off to a
-        # client that has gone, the send fails, and the session drains again (DESIGN §4.6).
-        tab0 = [line.split(" state=")[1].split()[0] for line in holder.log_lines("state")
-                if f" session={OWNER}/tab-0 " in line]
-        assert tab0[-1] == "draining" and "handed_off" not in tab0, tab0
+        # The retrieve was queued in the stopped holder: on resuming it hands off to a
+        # client that has gone, the sends fail, and the sessions drain again (DESIGN §4.6).
+        for sid in kids:
+            states = [line.split(" state=")[1].split()[0] for line in holder.log_lines("state")
+                      if f" session={OWNER}/{sid} " in line]
+            assert states[-1] == "draining" and "handed_off" not in states, (sid, states)
         final = holder.client(timeout=CLIENT_TIMEOUT).reclaim_all(deadline=8.0)
         _assert_all_reclaimed_contiguous(final, kids)
     finally:

@@ -139,8 +139,10 @@ def test_ring_overflow_keeps_the_newest_bytes(make_holder, raw_children) -> None
     try:
         assert got.session.state == "exited"
         assert got.dropped_bytes == len(data) - ring
-        assert len(got.replay) == ring
-        assert got.replay == data[-ring:]
+        # The ring wrapped: the replay starts at the first whole line (DESIGN §12).
+        assert len(got.replay) + got.replay_trimmed == ring
+        assert got.replay == data[-ring:][got.replay_trimmed:]
+        assert got.replay_trimmed <= 9 and got.replay.split(b"\n")[0].isdigit()
     finally:
         os.close(got.fd)
     print(f"\n  wrote {len(data)} B, replayed {len(got.replay)} B, dropped {got.dropped_bytes} B")
@@ -178,7 +180,7 @@ def test_total_ring_cap_is_shared(make_holder, raw_children) -> None:
         got = client.retrieve(sid)
         try:
             assert got.session.state == "exited"
-            assert len(got.replay) == infos[sid].buffered_bytes
+            assert len(got.replay) + got.replay_trimmed == infos[sid].buffered_bytes
             assert got.dropped_bytes == infos[sid].dropped_bytes
             assert data.endswith(got.replay), f"{sid}: the replay is not the newest bytes"
         finally:

@@ -29,6 +29,7 @@ from escrowd.session import Session
 
 OWNER = "com.example.term"
 SID = "tab-1"
+RETRIEVE = protocol.Retrieve(id=SID)
 CONFIG = Config(socket_path="unused", drain_stop_budget=2.0, send_deadline=1.0,
                 ack_deadline=2.0)
 
@@ -130,7 +131,7 @@ async def test_the_sweep_takes_what_the_drain_task_never_read() -> None:
         conn = RecordingConnection()
         async with trio.open_nursery() as nursery:
             session.start_drain(nursery, "custodian gone")  # scheduled, not run yet
-            assert await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+            assert await handoff.retrieve(conn, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
         sent = conn.handoff()
         assert (sent.replay, sent.dropped_bytes) == (data, 0)
         assert conn.sent[-1] == protocol.Done(id=SID)
@@ -155,7 +156,7 @@ async def test_the_sweep_fills_free_space_only_and_leaves_the_rest_in_the_kernel
             await until(lambda: session.ring.size == limit, "the ring full")
             assert session.ring.dropped == 0
             os.write(slave, rest)  # no checkpoint until the retrieve stops the drain
-            assert await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+            assert await handoff.retrieve(conn, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
         sent = conn.handoff()
         assert (sent.replay, sent.dropped_bytes) == (first, 0)
         assert read_all(master) == rest
@@ -175,7 +176,7 @@ async def test_a_terminal_that_hung_up_before_the_drain_ran_is_handed_off_exited
         conn = RecordingConnection()
         async with trio.open_nursery() as nursery:
             session.start_drain(nursery, "custodian gone")
-            assert await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+            assert await handoff.retrieve(conn, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
         sent = conn.handoff()
         assert sent.session.state == "exited"
         assert sent.replay == tail
@@ -204,7 +205,7 @@ async def test_a_handoff_cancelled_while_waiting_for_the_ack_is_put_back() -> No
         async with trio.open_nursery() as nursery:
             session.start_drain(nursery, "custodian gone")
             with cancelled:
-                await handoff.retrieve(conn, SID, registry, CONFIG, nursery)  # type: ignore[arg-type]
+                await handoff.retrieve(conn, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
                 raise AssertionError("the retrieve was not cancelled")
             assert conn.handoff().replay == b"before\r\n"
             assert session.state == "draining"

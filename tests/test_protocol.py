@@ -54,8 +54,15 @@ REQUESTS: list[P.Message] = [
               meta={"cwd": "/home/ada", "title": "build ✓"}),
     P.Deposit(id="tab-2"),
     P.Release(id="tab-1"),
+    P.Deposit(id="tab-3", journal=True),
     P.Retrieve(id="tab-1"),
+    P.Retrieve(id="tab-1", keep=True, journal=True),
+    P.RetrieveMany(ids=["tab-1", "tab-2"], keep=True),
+    P.Update(id="tab-1", cols=100, rows=30),
+    P.Update(id="tab-1", meta={"cwd": "/tmp"}),
     P.Ack(id="tab-1", handoff_id=HANDOFF_ID),
+    P.Ack(id="tab-1", handoff_id=HANDOFF_ID, keep=True),
+    P.AckMany(acks={"tab-1": HANDOFF_ID, "tab-2": HANDOFF_ID}, keep=True),
     P.List(),
     P.List(all_owners=True),
     P.Status(),
@@ -65,12 +72,18 @@ RESPONSES: list[P.Message] = [
     P.Welcome(version=1, holder_version="0.1.0", pid=4242, drain_stop_budget=3.0,
               send_deadline=1.0, ack_deadline=10.0, limits={"max_sessions": 2048}),
     P.Deposited(id="tab-1"),
+    P.Deposited(id="tab-3", journal=P.Journal(capacity=1 << 20, total=0, position=0)),
+    P.Updated(id="tab-1"),
     P.Released(id="tab-1"),
     P.Handoff(handoff_id=HANDOFF_ID, session=_info(), replay=b"$ ls\r\n", dropped_bytes=0),
     P.Handoff(handoff_id=HANDOFF_ID, session=_info(state="exited", child_alive=None,
                                                    child_pid=None),
               replay=bytes(range(256)) * 300, dropped_bytes=123456),
+    P.Handoff(handoff_id=HANDOFF_ID, session=_info(), replay=b"line\r\n", dropped_bytes=9000,
+              replay_trimmed=17, replay_journaled=6,
+              journal=P.Journal(capacity=1 << 20, total=1 << 21, position=4096)),
     P.Done(id="tab-1"),
+    P.DoneMany(ids=["tab-1", "tab-2"]),
     P.Sessions(sessions=[]),
     P.Sessions(sessions=[_info(), _info(id="tab-2", state="handed_off", child_alive=False)]),
     P.HolderStatus(pid=4242, version="0.1.0", started_at=1767225000.0,
@@ -182,7 +195,7 @@ def pty_number(fd: int) -> int:
 
 
 def decode(message_type: type[P.Message], body: bytes) -> P.Message:
-    if message_type in (P.Hello, P.Deposit, P.Release, P.Retrieve, P.Ack, P.List, P.Status):
+    if message_type in P.Request.__args__:  # type: ignore[attr-defined]
         return P.decode_request(body)
     return P.decode_response(body)
 
@@ -206,17 +219,18 @@ def test_round_trip_through_a_socket(pair: tuple[socket.socket, socket.socket],
                                      message: P.Message) -> None:
     a, b = pair
     carrier = isinstance(message, P.FD_CARRIERS)
+    count = P.fds_carried(message)
     with pty() as (master, slave):
-        fdpass.send_frame(a, P.encode(message), master if carrier else None)
+        fdpass.send_frame(a, P.encode(message), [master] * count)
         body, fds = fdpass.recv_frame(b, BIG)
         try:
             got = decode(type(message), body)
             assert got == message
             assert type(got) is type(message)
             P.check_fds(got, len(fds))
-            assert len(fds) == (1 if carrier else 0)
+            assert len(fds) == count
             if carrier:
-                (fd,) = fds
+                fd = fds[0]
                 assert fd != master
                 assert is_cloexec(fd)
                 assert pty_number(fd) == pty_number(master)
@@ -351,7 +365,7 @@ def test_check_fds_refuses_a_wrong_count(pair: tuple[socket.socket, socket.socke
         body, fds = fdpass.recv_frame(b, P.MAX_REQUEST_BYTES)
         assert len(fds) == count
         decoded = P.decode_request(body)
-        wanted = 1 if isinstance(decoded, P.FD_CARRIERS) else 0
+        wanted = P.fds_carried(decoded)
         with pytest.raises(P.ProtocolError, match=f"must carry {wanted} fd"):
             try:
                 P.check_fds(decoded, len(fds))

@@ -21,9 +21,10 @@ to. These tests check, for every example below, that:
   they encode from and decode to the vector's `message` (both directions);
 
 and that section 7's table lists every field of every message with the type, default and
-limit `client/protocol.py` gives it, that the states and error codes the document lists are
-the code's, and that the Linux constants of section 13 and the control-message layout of
-section 4.4 are this system's.
+limit `client/protocol.py` gives it, that the fds each message carries are the code's, that
+the states and error codes the document lists are the code's, that the state file's header
+shown in section 10.6 is the holder's, and that the Linux constants of section 13 and the
+control-message layouts of section 4.4 are this system's.
 
 After a protocol change, regenerate the blocks and the vectors:
 
@@ -57,12 +58,31 @@ DOC = ROOT / "PROTOCOL.md"
 VECTORS = ROOT / "protocol-vectors"
 
 HANDOFF_ID = "5f0c6a1e9b2d4c7f8a3e6b1d0c9f2a74"
+HANDOFF_ID_2 = "9d3b7e21c4a85f60b1e2d7c93a4f0e58"
+HANDOFF_ID_3 = "2a6f0d94e1b7c35a8f4e9c0d6b3a1e72"
 OWNER = "com.example.term"
+RING_BYTES = 1048576  # a holder's default --ring-bytes
 
 _TAB_1 = protocol.SessionInfo(
     owner=OWNER, id="tab-1", label="zsh", state="draining", child_pid=31337, child_alive=True,
     deposited_at=1767225600.25, state_since=1767225612.5, buffered_bytes=6, dropped_bytes=0,
     custodian_pid=None, handoff_id=HANDOFF_ID, cols=120, rows=40, meta={"cwd": "/home/ann"},
+)
+
+# Section 14.6-14.8: tab-3 deposited with a journal, tab-4 without; the app recorded
+# "$ make\r\n" of tab-3, then crashed; the holder drained "done\r\n$ " of tab-3 and "db1$ " of
+# tab-4 after it; the relaunched app takes both back into custody.
+_TAB_3 = protocol.SessionInfo(
+    owner=OWNER, id="tab-3", label="bash", state="draining", child_pid=31339,
+    child_alive=True, deposited_at=1767225602.5, state_since=1767225655.25,
+    buffered_bytes=16, dropped_bytes=0, custodian_pid=None, handoff_id=HANDOFF_ID_2,
+    cols=100, rows=30, meta={"cwd": "/home/ann/src"},
+)
+_TAB_4 = protocol.SessionInfo(
+    owner=OWNER, id="tab-4", label="ssh", state="draining", child_pid=31340,
+    child_alive=True, deposited_at=1767225603.75, state_since=1767225655.25,
+    buffered_bytes=5, dropped_bytes=0, custodian_pid=None, handoff_id=HANDOFF_ID_3,
+    cols=100, rows=30, meta={},
 )
 
 # Every frame the document shows, in the order it shows them, with the section it is in.
@@ -105,6 +125,33 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
         msgspec.structs.replace(_TAB_1, state="handed_off", state_since=1767225613.0,
                                 buffered_bytes=0, meta={}),
     ])),
+    "deposit_journal": ("14.6", protocol.Deposit(
+        id="tab-3", label="bash", child_pid=31339, cols=100, rows=30,
+        meta={"cwd": "/home/ann/src"}, journal=True,
+    )),
+    "deposited_journal": ("14.6", protocol.Deposited(
+        id="tab-3", journal=protocol.Journal(capacity=RING_BYTES, total=0, position=0),
+    )),
+    "retrieve_many": ("14.7", protocol.RetrieveMany(ids=["tab-3", "tab-4", "tab-9"],
+                                                    keep=True, journal=True)),
+    "error_unknown": ("14.7", protocol.Error(
+        code="unknown", message="no session com.example.term/tab-9 is known", id="tab-9",
+    )),
+    "handoff_journal": ("14.7", protocol.Handoff(
+        handoff_id=HANDOFF_ID_2, session=_TAB_3, replay=b"$ make\r\ndone\r\n$ ",
+        dropped_bytes=0, replay_trimmed=0, replay_journaled=8,
+        journal=protocol.Journal(capacity=RING_BYTES, total=16, position=16),
+    )),
+    "handoff_journal_2": ("14.7", protocol.Handoff(
+        handoff_id=HANDOFF_ID_3, session=_TAB_4, replay=b"db1$ ", dropped_bytes=0,
+        replay_trimmed=0, replay_journaled=0,
+        journal=protocol.Journal(capacity=RING_BYTES, total=5, position=5),
+    )),
+    "ack_many": ("14.7", protocol.AckMany(acks={"tab-3": HANDOFF_ID_2, "tab-4": HANDOFF_ID_3},
+                                          keep=True)),
+    "done_many": ("14.7", protocol.DoneMany(ids=["tab-3", "tab-4"])),
+    "update": ("14.8", protocol.Update(id="tab-3", cols=132, rows=43)),
+    "updated": ("14.8", protocol.Updated(id="tab-3")),
 }
 
 
@@ -116,7 +163,7 @@ def is_request(msg: protocol.Message) -> bool:
     return isinstance(msg, typing.get_args(protocol.Request))
 
 
-_BLOCK = re.compile(r"^<!-- (?P<kind>frame|cmsg): (?P<name>[a-z0-9_-]+) -->\n```hex\n"
+_BLOCK = re.compile(r"^<!-- (?P<kind>frame|cmsg|statefile): (?P<name>[a-z0-9_-]+) -->\n```hex\n"
                     r"(?P<body>.*?)^```$", re.M | re.S)
 
 
@@ -301,7 +348,7 @@ def vector(name: str) -> dict[str, Any]:
         "name": name,
         "section": section,
         "direction": "client_to_holder" if is_request(msg) else "holder_to_client",
-        "fds": 1 if isinstance(msg, protocol.FD_CARRIERS) else 0,
+        "fds": protocol.fds_carried(msg),
         "frame": protocol.encode(msg).hex(),
         "message": as_json(msg),
     }
@@ -411,9 +458,13 @@ def test_the_annotations_describe_these_bytes(blocks: dict[str, str], name: str)
     )
 
 
-def test_the_fd_carriers_shown_are_deposit_and_handoff() -> None:
-    carriers = [n for n, (_, m) in EXAMPLES.items() if isinstance(m, protocol.FD_CARRIERS)]
-    assert carriers == ["handoff", "deposit"]
+def test_the_frames_shown_with_fds() -> None:
+    """Section 14 shows every way a message carries fds: a deposit's master, a handoff's
+    master (and state file, with a journal), a deposited's state file (with a journal)."""
+    carriers = {n: protocol.fds_carried(m) for n, (_, m) in EXAMPLES.items()
+                if protocol.fds_carried(m)}
+    assert carriers == {"handoff": 1, "deposit": 1, "deposit_journal": 1,
+                        "deposited_journal": 1, "handoff_journal": 2, "handoff_journal_2": 2}
 
 
 def test_the_example_welcome_shows_the_default_settings() -> None:
@@ -432,14 +483,54 @@ def test_the_example_welcome_shows_the_default_settings() -> None:
     assert hello.timeout >= welcome.drain_stop_budget + welcome.send_deadline + 1.0
 
 
-def test_the_example_handoff_keeps_its_promises() -> None:
-    """Section 7: the handoff's own dropped_bytes and handoff_id equal its session's, and
-    buffered_bytes is the replay's length."""
-    handoff = message("handoff")
+@pytest.mark.parametrize("name", ["handoff", "handoff_journal", "handoff_journal_2"])
+def test_the_example_handoff_keeps_its_promises(name: str) -> None:
+    """Section 7: the handoff's own dropped_bytes and handoff_id equal its session's,
+    buffered_bytes is the replay's length with what was trimmed, and what the app
+    recorded is part of the replay."""
+    handoff = message(name)
     assert isinstance(handoff, protocol.Handoff)
     assert handoff.dropped_bytes == handoff.session.dropped_bytes
     assert handoff.handoff_id == handoff.session.handoff_id
-    assert handoff.session.buffered_bytes == len(handoff.replay)
+    assert handoff.session.buffered_bytes == len(handoff.replay) + handoff.replay_trimmed
+    assert 0 <= handoff.replay_journaled <= len(handoff.replay)
+    assert handoff.session.state in ("draining", "exited")
+
+
+def test_the_example_journals_agree() -> None:
+    """Section 14.6-14.7: the journal granted at deposit and the one in the handoff describe
+    the same ring: the byte numbered `total` goes at (position + total - journal.total) mod
+    capacity, and the replay's newest byte is the one before `total`."""
+    deposited = message("deposited_journal")
+    handoff = message("handoff_journal")
+    assert isinstance(deposited, protocol.Deposited) and deposited.journal is not None
+    assert isinstance(handoff, protocol.Handoff) and handoff.journal is not None
+    first, then = deposited.journal, handoff.journal
+    assert first.capacity == then.capacity == RING_BYTES
+    assert then.position == (first.position + then.total - first.total) % first.capacity
+    assert then.total == handoff.session.dropped_bytes + handoff.replay_trimmed + len(
+        handoff.replay)
+
+
+def test_the_example_retrieve_many_is_answered_once_per_id() -> None:
+    """Section 14.7: one answer per id; the ack_many names each handoff taken with its
+    handoff_id, and done_many confirms them."""
+    request = message("retrieve_many")
+    assert isinstance(request, protocol.RetrieveMany) and request.keep and request.journal
+    handoffs = [message("handoff_journal"), message("handoff_journal_2")]
+    error = message("error_unknown")
+    assert isinstance(error, protocol.Error)
+    answered = [error.id]
+    acks = {}
+    for handoff in handoffs:
+        assert isinstance(handoff, protocol.Handoff) and handoff.journal is not None
+        answered.append(handoff.session.id)
+        acks[handoff.session.id] = handoff.handoff_id
+    assert sorted(str(a) for a in answered) == sorted(request.ids)
+    ack = message("ack_many")
+    assert isinstance(ack, protocol.AckMany) and ack.keep and ack.acks == acks
+    done = message("done_many")
+    assert isinstance(done, protocol.DoneMany) and done.ids == list(acks)
 
 
 def test_the_example_list_holds_a_tombstone() -> None:
@@ -473,6 +564,14 @@ def test_the_vector_file_is_current(name: str) -> None:
     )
 
 
+def test_the_vector_readme_shows_a_current_vector() -> None:
+    """protocol-vectors/README.md shows the retrieve vector: its frame and message are the
+    file's."""
+    readme = (VECTORS / "README.md").read_text(encoding="utf-8")
+    shown = json.loads(readme.split("```json\n", 1)[1].split("```", 1)[0])
+    assert shown == load_vectors()[shown["name"]]
+
+
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_vector_is_the_documents_frame(blocks: dict[str, str], name: str) -> None:
     frame = bytes.fromhex(load_vectors()[name]["frame"])
@@ -489,7 +588,7 @@ def test_the_vector_round_trips_both_ways(name: str) -> None:
     union = protocol.Request if v["direction"] == "client_to_holder" else protocol.Response
     rebuilt = msgspec.convert(_from_json(v["message"]), type=union)
     assert protocol.encode(rebuilt) == frame
-    assert v["fds"] == (1 if isinstance(decoded, protocol.FD_CARRIERS) else 0)
+    assert v["fds"] == protocol.fds_carried(decoded)
 
 
 # --- section 7: every field of every message ------------------------------------------------------
@@ -499,6 +598,7 @@ MESSAGES: dict[str, type[msgspec.Struct]] = {
     **{str(cls.__struct_config__.tag): cls
        for cls in typing.get_args(protocol.Request) + typing.get_args(protocol.Response)},
     "SessionInfo": protocol.SessionInfo,
+    "Journal": protocol.Journal,
 }
 
 
@@ -519,11 +619,17 @@ def describe(t: msgspec.inspect.Type) -> tuple[str, str]:
         kind = f"map[{describe(t.key_type)[0]}]{describe(t.value_type)[0]}"
         if t.max_length is None:
             return kind, "—"
+        if describe(t.key_type)[1] == "name":
+            return kind, f"{t.min_length or 0} .. {t.max_length} entries; keys names"
         assert isinstance(t.key_type, mi.StrType) and isinstance(t.value_type, mi.StrType)
         return kind, (f"≤ {t.max_length} entries; keys ≤ {t.key_type.max_length}, values "
                       f"≤ {t.value_type.max_length} code points")
     if isinstance(t, mi.ListType):
-        return f"list[{describe(t.item_type)[0]}]", "—"
+        kind, item_limit = describe(t.item_type)
+        if t.min_length is None and t.max_length is None:
+            return f"list[{kind}]", "—"
+        assert item_limit == "name", "only a list of names has limits"
+        return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} names"
     if isinstance(t, mi.StructType):
         return t.cls.__name__, "—"
     if isinstance(t, mi.LiteralType):
@@ -583,9 +689,26 @@ def test_the_field_table_is_the_code() -> None:
     assert len(documented) == len(expected)
 
 
+_FD_MARKS = {"+1 fd": {1}, "+1 fd with `journal`": {0, 1}, "+1 fd; 2 with `journal`": {1, 2}}
+
+
 def test_the_fd_carriers_are_marked_in_the_field_table() -> None:
-    marked = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \(\+1 fd\)", doc_text(), re.M)}
-    assert marked == {str(cls.__struct_config__.tag) for cls in protocol.FD_CARRIERS}
+    """Section 7 marks each message that carries fds with how many, as `fds_carried` counts
+    them: `(+1 fd)`, `(+1 fd with `journal`)` (0 without), `(+1 fd; 2 with `journal`)`."""
+    marked = {m["name"]: _FD_MARKS[m["mark"]] for m in re.finditer(
+        r"^\| `(?P<name>\w+)` \((?P<mark>\+1 fd[^)]*)\)", doc_section(doc_text(), "7"), re.M)}
+    counts: dict[str, set[int]] = {}
+    for _, msg in EXAMPLES.values():
+        counts.setdefault(str(msg.__struct_config__.tag), set()).add(protocol.fds_carried(msg))
+    assert marked == {tag: n for tag, n in counts.items() if n != {0}}
+    # The examples show both counts of every message whose count depends on `journal`.
+    journal = protocol.Journal(capacity=1, total=0, position=0)
+    for cls in (protocol.Deposited, protocol.Handoff):
+        tag = str(cls.__struct_config__.tag)
+        example = next(m for _, m in EXAMPLES.values() if isinstance(m, cls))
+        both = {protocol.fds_carried(msgspec.structs.replace(example, journal=j))
+                for j in (None, journal)}
+        assert marked[tag] == both
 
 
 def test_the_states_are_the_codes() -> None:
@@ -608,6 +731,40 @@ def test_the_name_rule_is_the_codes() -> None:
 def test_the_request_limit_is_the_codes() -> None:
     assert protocol.MAX_REQUEST_BYTES == 1_048_576
     assert "at most **1 MiB** (1 048 576 bytes" in doc_section(doc_text(), "2")
+
+
+def test_the_batch_limit_is_the_codes() -> None:
+    assert protocol.MAX_BATCH == 4096
+    assert "1 to 4096 distinct ids" in doc_section(doc_text(), "12.7")
+
+
+# --- section 10.6: the journal's state file ----------------------------------------------------
+
+
+def test_the_state_file_header_is_the_holders() -> None:
+    """The header listing of section 10.6 is the first 48 bytes of a state file the holder
+    makes for a ring of the default size, and its offsets and checksum are as described."""
+    import zlib
+
+    from escrow_client import journal
+    from escrowd.statefile import DATA_OFFSET, Record, StateFile
+
+    shown = hex_bytes(dict(doc_blocks(doc_text(), "statefile"))["header"])
+    state = StateFile.create(Record, Config(socket_path="").ring_bytes, "doc")
+    try:
+        head = os.pread(state.fd, 48, 0)
+    finally:
+        state.close()
+    assert shown == head
+    magic, version, crc, data_offset, size = journal.FIXED.unpack_from(head)
+    assert (magic, version, journal.FIXED.size, journal.TOTAL_OFFSET) == (
+        b"ESCROWSF", journal.LAYOUT_VERSION, 32, 32)
+    assert (data_offset, size) == (DATA_OFFSET, RING_BYTES)
+    assert crc == zlib.crc32(head[16:32], zlib.crc32(head[:12]))
+    assert struct.unpack_from("=QQ", head, journal.TOTAL_OFFSET) == (0, 0)  # total, writing
+    section = doc_section(doc_text(), "10.6")
+    assert f"{journal.MAX_WRITE} bytes" in section and journal.MAX_WRITE == 8192
+    assert f"`{DATA_OFFSET}`" in section
 
 
 # --- section 13 and 4.4: this system's constants ------------------------------------------------
@@ -653,6 +810,15 @@ def test_the_linux_control_message_layout_is_this_systems() -> None:
     header = struct.pack("=QiI", socket.CMSG_LEN(4), socket.SOL_SOCKET, socket.SCM_RIGHTS)
     expected = header + struct.pack("=i", 7)
     assert shown == expected + bytes(socket.CMSG_SPACE(4) - len(expected))
+
+
+@pytest.mark.skipif(not _LINUX_64, reason="the layout shown is 64-bit Linux's")
+def test_the_linux_two_fd_control_message_is_this_systems() -> None:
+    """A handoff with a journal: the master, then the state file, in one control message."""
+    shown = hex_bytes(dict(doc_blocks(doc_text(), "cmsg"))["linux-64-two"])
+    assert (socket.CMSG_LEN(8), socket.CMSG_SPACE(8)) == (24, 24)
+    header = struct.pack("=QiI", socket.CMSG_LEN(8), socket.SOL_SOCKET, socket.SCM_RIGHTS)
+    assert shown == header + struct.pack("=ii", 7, 9)
 
 
 def test_the_macos_control_message_follows_its_formulas() -> None:

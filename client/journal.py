@@ -1,0 +1,151 @@
+"""The journal: an app records what it reads from a held session into the session's own
+replay ring, so that after a crash the replay holds everything the session printed, before
+the crash and after (DESIGN §12).
+
+The ring lives in the session's state file, which the holder hands over with `deposited`
+(or `handoff`) when a journal was asked for. The app writes it while it holds custody, the
+holder from the moment custody ends, never both. The holder's side of the file is
+`escrowd.statefile`; what the writer needs of it is here, the one definition of the fixed
+header both sides read:
+
+    bytes  0..32   magic, layout version, a checksum, data offset, data size
+    bytes 32..40   `total`: every byte ever put into the ring
+    bytes 40..48   `writing`: what `total` becomes once the write in flight is in place
+
+A write stores `writing`, copies the bytes, then stores `total` (each one aligned 8-byte
+store). An app killed in between leaves `writing` above `total`; the holder then knows
+that up to that many of the oldest bytes may have been overwritten, and drops them, rather
+than replaying torn output. Writes are cut to `MAX_WRITE` bytes so that is little.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+
+from . import protocol
+
+MAGIC = b"ESCROWSF"
+LAYOUT_VERSION = 1
+FIXED = struct.Struct("=8sIIQQ")  # magic, version, crc of the rest, data offset, data size
+TOTAL_OFFSET = 32  # `total`, then `writing`: 8-byte aligned
+MAX_WRITE = 8 * 1024
+
+
+class JournalError(Exception):
+    """The file the holder sent is not a state file this writer understands."""
+
+
+class JournalWriter:
+    """Appends to one session's ring. Resource handling: owns `fd` (the state file) and
+    its mapping from construction (also when it raises) until `close()`. Thread-safe:
+    `record` and `close` may be called from different threads."""
+
+    def __init__(self, fd: int, journal: protocol.Journal) -> None:
+        self._lock = threading.Lock()
+        try:
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            raise JournalError(f"cannot map the state file: {exc}") from None
+        self.fd = fd
+        magic, version, _, data_offset, size = FIXED.unpack_from(self._mm, 0)
+        if (magic != MAGIC or version != LAYOUT_VERSION or not 0 < journal.capacity <= size
+                or data_offset + size > len(self._mm)):
+            self.close()
+            raise JournalError("the holder sent a state file of another layout")
+        view = memoryview(self._mm)
+        self._data: memoryview | None = view[data_offset : data_offset + journal.capacity]
+        self._counters: memoryview | None = view[TOTAL_OFFSET : TOTAL_OFFSET + 16].cast("Q")
+        view.release()
+        self.capacity = journal.capacity
+        # Where the byte numbered `total` goes: the holder said where the byte numbered
+        # `journal.total` goes; bytes recorded since (through an earlier mapping) moved it.
+        # We are the only writer from here on: our count is the file's.
+        self._total = int(self._counters[0])
+        self._position = (journal.position + self._total - journal.total) % self.capacity
+
+    def record(self, data: bytes | bytearray | memoryview) -> None:
+        """Append `data`: the newest `capacity` bytes of everything recorded are kept."""
+        n = len(data)
+        with self._lock:
+            ring, counters, cap = self._data, self._counters, self.capacity
+            if ring is None or counters is None:
+                return  # closed: custody has ended, the holder is the writer now
+            if n <= MAX_WRITE and self._position + n <= cap:
+                # The common case (a pty read is at most a few KiB), kept short: it runs
+                # once per read of the app.
+                pos, total = self._position, self._total + n
+                counters[1] = total
+                ring[pos : pos + n] = data
+                counters[0] = self._total = total
+                self._position = (pos + n) % cap
+                return
+            self._record_in_parts(memoryview(data).cast("B"), ring, counters, cap)
+
+    def read(self, fd: int, size: int) -> bytes:
+        """`os.read(fd, size)` that records what it read: the bytes go from the terminal
+        straight into the ring, and are copied out once for the caller, so that recording
+        costs the app next to nothing. Reads at most up to the ring's end (and MAX_WRITE
+        bytes) at a time. OSError (EAGAIN, EIO) as os.read, with nothing recorded."""
+        with self._lock:
+            ring, counters, cap = self._data, self._counters, self.capacity
+            if ring is None or counters is None:
+                return os.read(fd, size)  # closed: custody ended; nothing is recorded
+            pos, total = self._position, self._total
+            room = min(size, MAX_WRITE, cap - pos)
+            counters[1] = total + room  # what may land over the oldest bytes, if we die
+            try:
+                n = os.readv(fd, [ring[pos : pos + room]])
+            except BaseException:
+                counters[1] = total
+                raise
+            counters[0] = self._total = total + n
+            counters[1] = total + n
+            self._position = (pos + n) % cap
+            return ring[pos : pos + n].tobytes()
+
+    def _record_in_parts(self, view: memoryview, ring: memoryview, counters: memoryview,
+                         cap: int) -> None:
+        total, pos = self._total, self._position
+        if len(view) > cap:  # what would be overwritten at once is only counted
+            skip = len(view) - cap
+            counters[1] = counters[0] = total = total + skip
+            pos = (pos + skip) % cap
+            view = view[skip:]
+        for start in range(0, len(view), MAX_WRITE):
+            chunk = view[start : start + MAX_WRITE]
+            n = len(chunk)
+            counters[1] = total + n
+            first = min(n, cap - pos)
+            ring[pos : pos + first] = chunk[:first]
+            if first < n:
+                ring[: n - first] = chunk[first:]
+            total += n
+            counters[0] = total
+            pos = (pos + n) % cap
+        self._total, self._position = total, pos
+
+    def close_after_fork(self) -> None:
+        """`close`, in a forked child: the lock may have been held by a thread of the
+        parent, which does not exist here."""
+        self._lock = threading.Lock()
+        self.close()
+
+    def close(self) -> None:
+        """Stop writing and unmap (idempotent)."""
+        with self._lock:
+            for name in ("_data", "_counters"):
+                view = getattr(self, name, None)
+                if view is not None:
+                    view.release()
+                setattr(self, name, None)
+            mm = self.__dict__.pop("_mm", None)
+            if mm is not None:
+                mm.close()
+            if getattr(self, "fd", -1) >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)

@@ -1,0 +1,137 @@
+"""The journal's hand-over, in-process (DESIGN §12): an app writes the ring with
+`JournalWriter` while it holds custody, the holder takes it over when custody ends. Real
+state files (memfd), real PTYs; the app's death in the middle of a write is made by hand,
+byte by byte, since a SIGKILL cannot be aimed between two stores."""
+
+from __future__ import annotations
+
+import os
+import tty
+from collections.abc import Iterator
+
+import pytest
+
+from escrow_client import protocol
+from escrow_client.journal import MAX_WRITE, JournalWriter
+from escrowd import journal
+from escrowd.registry import Registry
+from escrowd.session import Session
+
+RING = 16 * 1024
+
+
+@pytest.fixture
+def session() -> Iterator[Session]:
+    registry = Registry(max_sessions=4, ring_bytes=RING, total_ring_bytes=1 << 30,
+                        max_tombstones=4)
+    master, slave = os.openpty()
+    s = Session("o", protocol.Deposit(id="tab", journal=True), os.dup(master),
+                registry.new_ring(), custodian=None, custodian_pid=None, child_start_time=None)
+    registry.add(s)
+    yield s
+    s.ring.release()  # (Session.close also tells trio's loop, which is not running here)
+    os.close(s.fd)
+    os.close(master)
+    os.close(slave)
+
+
+def writer_for(session: Session) -> JournalWriter:
+    layout = journal.grant(session)
+    assert layout is not None and layout.capacity == RING  # the whole ring, at once
+    journal.begin(session)
+    return JournalWriter(os.dup(session.ring.state.fd), layout)
+
+
+def test_the_holder_takes_over_exactly_what_the_app_recorded(session: Session) -> None:
+    writer = writer_for(session)
+    data = bytes(range(256)) * 100  # 25,600 bytes: wraps the 16 KiB ring
+    for start in range(0, len(data), 3000):
+        writer.record(data[start : start + 3000])
+    writer.close()
+    journal.end(session)
+    ring = session.ring
+    assert ring.contents() == data[-RING:]
+    assert (ring.total, ring.dropped) == (len(data), len(data) - RING)
+    assert journal.journaled(session, ring.total - ring.size) == RING
+    assert session.replay_gaps == []
+
+
+def test_a_record_longer_than_the_ring_keeps_its_newest_bytes(session: Session) -> None:
+    writer = writer_for(session)
+    writer.record(b"old" * 10)
+    data = os.urandom(RING * 2 + 5)
+    writer.record(data)
+    writer.close()
+    journal.end(session)
+    assert session.ring.contents() == data[-RING:]
+    assert session.ring.total == 30 + len(data)
+
+
+def test_a_second_mapping_goes_on_where_the_first_stopped(session: Session) -> None:
+    """A custody that takes a session back from a restarted holder maps the file again,
+    with a layout said at another moment: the bytes still follow each other."""
+    first = writer_for(session)
+    layout = journal.grant(session)  # asked again (a resume) before more is written
+    first.record(b"a" * 5000)
+    assert layout is not None
+    second = JournalWriter(os.dup(session.ring.state.fd), layout)
+    first.close()
+    second.record(b"b" * 5000)
+    second.close()
+    journal.end(session)
+    assert session.ring.contents() == b"a" * 5000 + b"b" * 5000
+
+
+def test_an_app_killed_in_the_middle_of_a_write_leaves_no_torn_bytes(
+    session: Session,
+) -> None:
+    """The app stored `writing`, copied part of its bytes over the oldest ones, and died
+    before it stored `total`. The holder drops the oldest bytes that write may have
+    overwritten and marks the spot where its bytes are missing: the replay holds nothing
+    the terminal did not print in that order."""
+    writer = writer_for(session)
+    data = b"".join(f"L{i:06d}\n".encode() for i in range(4000))  # 32,000 bytes
+    writer.record(data)
+    # The torn write, as the app's writer makes it: `writing` first, then the bytes.
+    state = session.ring.state
+    total = state.total
+    position = session.ring.position(total)
+    torn = b"X" * MAX_WRITE
+    view = memoryview(state.data)
+    counters = state._total  # noqa: SLF001 (the app's side of the file, by hand)
+    counters[1] = total + len(torn)
+    half = len(torn) // 2
+    first = min(half, RING - position)
+    view[position : position + first] = torn[:first]
+    view[: half - first] = torn[first:half]
+    writer.close()
+
+    journal.end(session)
+    replay = session.ring.contents()
+    assert b"X" not in replay
+    assert replay == data[-(RING - MAX_WRITE):]
+    assert session.replay_gaps == [len(replay)]  # the torn write's bytes: after the last
+    assert session.ring.state.writing == session.ring.state.total
+
+
+def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Session) -> None:
+    """`Custody.read` reads from the terminal straight into the ring: what the app gets
+    and what the replay holds are the same bytes, in order, across the ring's end."""
+    writer = writer_for(session)
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    try:
+        sent = b"".join(f"line {i:05d}\n".encode() for i in range(3000))  # 33,000 bytes
+        got = bytearray()
+        for start in range(0, len(sent), 1000):
+            os.write(slave, sent[start : start + 1000])
+            while len(got) < start + 1000:
+                got += writer.read(master, 65536)
+        assert bytes(got) == sent
+    finally:
+        os.close(master)
+        os.close(slave)
+        writer.close()
+    journal.end(session)
+    assert session.ring.contents() == sent[-RING:]
+    assert session.ring.state.writing == session.ring.state.total == len(sent)

@@ -1,0 +1,184 @@
+"""`retrieve_many` on the wire, and every way it can go wrong (DESIGN §4, §12): a peer that
+hangs up before its acks, acks that never come, a wrong ack, bad requests. Each time every
+session not acked goes back to draining on the same fd with its replay intact, the holder
+keeps serving, and no fd leaks (the `holder` fixture counts them at the end).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+from rawclient import RawClient
+
+from conftest import HolderProcess, wait_for
+from escrow_client import EscrowClient, protocol
+
+IDS = [f"s{i}" for i in range(5)]
+
+
+@pytest.fixture
+def ptys() -> Iterator[dict[str, tuple[int, int]]]:
+    pairs = {sid: os.openpty() for sid in IDS}
+    yield pairs
+    for master, slave in pairs.values():
+        os.close(master)
+        os.close(slave)
+
+
+def escrow(holder: HolderProcess, ptys: dict[str, tuple[int, int]]) -> EscrowClient:
+    """Every pty handed off, each with a line of replay."""
+    client = holder.client()
+    for sid, (master, slave) in ptys.items():
+        client.hand_off(sid, master)
+        os.write(slave, f"replay of {sid}\n".encode())
+    wait_for(lambda: all(s.buffered_bytes > 0 for s in client.list()), 10, "the replays")
+    return client
+
+
+def states(client: EscrowClient) -> dict[str, str]:
+    return {s.id: s.state for s in client.list()}
+
+
+def handoffs(raw: RawClient, count: int) -> dict[str, protocol.Handoff]:
+    got = {}
+    for _ in range(count):
+        reply, fd = raw.receive()
+        assert isinstance(reply, protocol.Handoff), reply
+        assert fd is not None and os.isatty(fd)
+        got[reply.session.id] = reply
+    return got
+
+
+def test_every_session_comes_back_over_one_request(holder: HolderProcess,
+                                                   ptys: dict[str, tuple[int, int]]) -> None:
+    client = escrow(holder, ptys)
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(protocol.RetrieveMany(ids=IDS))
+        got = handoffs(raw, len(IDS))
+        assert {sid: h.replay for sid, h in got.items()} == {
+            sid: f"replay of {sid}\r\n".encode() for sid in IDS}
+        raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()}))
+        assert raw.receive()[0] == protocol.DoneMany(ids=list(got))
+    assert set(states(client).values()) == {"handed_off"}
+
+
+def test_refusals_are_answered_per_session(holder: HolderProcess,
+                                           ptys: dict[str, tuple[int, int]]) -> None:
+    """An unknown id and a released one get their own errors; the others come back."""
+    client = escrow(holder, ptys)
+    client.release("s4")
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(protocol.RetrieveMany(ids=["s0", "nope", "s4", "s1"]))
+        answers = [raw.receive()[0] for _ in range(4)]
+        errors = {a.id: a.code for a in answers if isinstance(a, protocol.Error)}
+        got = {a.session.id: a for a in answers if isinstance(a, protocol.Handoff)}
+        assert errors == {"nope": "unknown", "s4": "released"}
+        raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()}))
+        assert isinstance(raw.receive()[0], protocol.DoneMany)
+    assert states(client) == {"s0": "handed_off", "s1": "handed_off", "s2": "draining",
+                              "s3": "draining", "s4": "released"}
+
+
+def test_a_peer_that_hangs_up_before_its_acks_loses_nothing(
+    holder: HolderProcess, ptys: dict[str, tuple[int, int]]
+) -> None:
+    client = escrow(holder, ptys)
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(protocol.RetrieveMany(ids=IDS, keep=True))
+        handoffs(raw, len(IDS))
+        assert set(states(client).values()) == {"handing_off"}
+    wait_for(lambda: set(states(client).values()) == {"draining"}, 10, "all put back")
+    # The same fds and replays: output written meanwhile follows the first lines.
+    master, slave = ptys["s2"]
+    os.write(slave, b"more\n")
+    retrieved = client.retrieve("s2")
+    assert retrieved.replay.startswith(b"replay of s2\r\n")
+    os.close(retrieved.fd)
+
+
+def test_acks_that_never_come_put_every_session_back(
+    make_holder: Callable[..., HolderProcess], ptys: dict[str, tuple[int, int]]
+) -> None:
+    holder = make_holder("--ack-deadline", "0.5")
+    client = escrow(holder, ptys)
+    with RawClient(holder.socket) as raw:
+        raw.hello(timeout=None)
+        raw.send(protocol.RetrieveMany(ids=IDS))
+        got = handoffs(raw, len(IDS))
+        wait_for(lambda: set(states(client).values()) == {"draining"}, 10, "all put back")
+        raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()}))
+        late, _ = raw.receive()
+        assert isinstance(late, protocol.Error) and late.code == "ack_late"
+        raw.send(protocol.Status())  # still serving this connection
+        assert isinstance(raw.receive()[0], protocol.HolderStatus)
+    assert set(states(client).values()) == {"draining"}
+
+
+def test_a_wrong_ack_puts_every_session_back(holder: HolderProcess,
+                                            ptys: dict[str, tuple[int, int]]) -> None:
+    client = escrow(holder, ptys)
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(protocol.RetrieveMany(ids=IDS))
+        got = handoffs(raw, len(IDS))
+        acks = {sid: h.handoff_id for sid, h in got.items()}
+        acks["s3"] = "not-the-handoff-id"
+        raw.send(protocol.AckMany(acks=acks))
+        refused, _ = raw.receive()
+        assert isinstance(refused, protocol.Error) and refused.code == "bad_request"
+        assert set(states(client).values()) == {"draining"}
+        raw.send(protocol.Status())
+        assert isinstance(raw.receive()[0], protocol.HolderStatus)
+
+
+@pytest.mark.parametrize("request_", [
+    protocol.RetrieveMany(ids=["s0", "s1", "s0"]),
+    protocol.RetrieveMany(ids=["s0"], journal=True),
+    protocol.Retrieve(id="s0", journal=True),
+], ids=["a-session-twice", "journal-without-keep", "single-journal-without-keep"])
+def test_bad_retrieve_requests_change_nothing(holder: HolderProcess,
+                                              ptys: dict[str, tuple[int, int]],
+                                              request_: protocol.Message) -> None:
+    client = escrow(holder, ptys)
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(request_)
+        refused, _ = raw.receive()
+        assert isinstance(refused, protocol.Error) and refused.code == "bad_request"
+        raw.send(protocol.Status())
+        assert isinstance(raw.receive()[0], protocol.HolderStatus)
+    assert set(states(client).values()) == {"draining"}
+
+
+def test_kept_sessions_are_held_by_the_connection_and_drain_when_it_ends(
+    holder: HolderProcess, ptys: dict[str, tuple[int, int]]
+) -> None:
+    """Retrieve into custody: after the ack the holder keeps its copies and the sessions are
+    held by this connection; when it ends (an app killed), they drain again, and the next
+    replay starts where this app stopped reading."""
+    client = escrow(holder, ptys)
+    with RawClient(holder.socket) as raw:
+        raw.hello()
+        raw.send(protocol.RetrieveMany(ids=IDS, keep=True))
+        got = handoffs(raw, len(IDS))
+        raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()},
+                                  keep=True))
+        assert isinstance(raw.receive()[0], protocol.DoneMany)
+        listed = {s.id: s for s in client.list()}
+        assert {s.state for s in listed.values()} == {"held"}
+        assert {s.custodian_pid for s in listed.values()} == {os.getpid()}
+        assert {s.buffered_bytes for s in listed.values()} == {0}  # delivered
+    wait_for(lambda: set(states(client).values()) == {"draining"}, 10, "custody ended")
+    master, slave = ptys["s1"]
+    os.write(slave, b"after\n")
+    wait_for(lambda: any(s.id == "s1" and s.buffered_bytes for s in client.list()), 10,
+             "the new output drained")
+    retrieved = client.retrieve("s1")
+    assert retrieved.replay == b"after\r\n"
+    assert retrieved.dropped_bytes == 0  # delivered bytes are not counted as dropped
+    os.close(retrieved.fd)
