@@ -24,6 +24,7 @@ from .errors import (
     UnsupportedVersion,
 )
 from .protocol import HolderStatus, SessionInfo
+from .repaint import repaint
 
 __version__ = "0.1.0"
 
@@ -53,4 +54,5 @@ __all__ = [
     "SessionInfo",
     "SessionUnknown",
     "UnsupportedVersion",
+    "repaint",
 ]
