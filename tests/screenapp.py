@@ -25,7 +25,7 @@ import sys
 import termios
 import tty
 
-from escrow_client import EscrowClient, Retrieved, repaint
+from escrow_client import Custody, EscrowClient, Retrieved, repaint
 
 OWNER = "com.example.term"
 
@@ -48,9 +48,9 @@ def start(argv: list[str]) -> tuple[int, int]:
     return master, child.pid
 
 
-def take_back(client: EscrowClient, session_id: str) -> Retrieved:
-    """The session, taken back from the holder."""
-    report = client.reclaim_all()
+def take_back(custody: Custody, session_id: str) -> Retrieved:
+    """The session, taken back into this app's custody (it stays escrowed)."""
+    report = custody.reclaim_all()
     if session_id not in report.retrieved:
         raise SystemExit(f"screenapp: {session_id} not taken back: {report.failed}")
     return report.retrieved[session_id]
@@ -105,7 +105,8 @@ def main() -> None:
         custody.deposit(args.id, master, child_pid=child_pid, cols=cols, rows=rows)
         write_ready(args.ready, child=child_pid)
     else:
-        retrieved = take_back(client, args.id)
+        custody = client.custody()
+        retrieved = take_back(custody, args.id)
         master = retrieved.fd
         # This window's size, as a terminal app gives it to a session it shows. Here it is
         # the size the session already has, which changes nothing and signals nobody.
