@@ -95,11 +95,12 @@ async def retrieve(
                                   f"peer_pid={conn.peer_pid}" + (" into custody" if keep else ""))
                 session.cancel_drain()  # now: not after a checkpoint where it could read
 
-        # Step 2: stop the drains, then sweep into free space only.
+        # Step 2: stop the drains (every one was told to stop already, so they finish
+        # together), then sweep into free space only.
         with trio.move_on_after(config.drain_stop_budget):
-            async with trio.open_nursery() as stoppers:
-                for claim in claims:
-                    stoppers.start_soon(_stop_and_sweep, claim.session)
+            for claim in claims:
+                await claim.session.stop_drain()
+                claim.session.pull(overwrite=False)
         for claim in list(claims):
             session = claim.session
             if session.hung_up:
@@ -195,11 +196,6 @@ async def _claim(conn: Connection, sid: str, registry: Registry) -> Session | No
         await conn.send_error("busy", f"session {session.name} is being handed off", sid)
         return None
     return session
-
-
-async def _stop_and_sweep(session: Session) -> None:
-    await session.stop_drain()
-    session.pull(overwrite=False)
 
 
 def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[int]]:

@@ -95,7 +95,7 @@ class Registry:
         """End a live session: close the holder's copy (and the store's) and keep a
         tombstone. The drain must have been stopped first."""
         assert self.live.get(session.key) is session, "bury only the live session itself"
-        info = session.info()
+        info = session.info(liveness=False)  # (a tombstone's is asked afresh: `_fresh`)
         # The state file says it ended before the store is told to drop it: a holder that
         # finds it stored anyway (the removal did not get out) knows not to adopt it.
         session.set_state(state, reason)

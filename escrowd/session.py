@@ -187,14 +187,17 @@ class Session:
             self.persist()
             self.log("state", state=state, reason=reason)
 
-    def info(self) -> SessionInfo:
+    def info(self, liveness: bool = True) -> SessionInfo:
+        """What `list` says about it. Without `liveness`, `child_alive` is None (for a
+        tombstone, which asks afresh each time it is listed)."""
         return SessionInfo(
             owner=self.owner,
             id=self.id,
             label=self.label,
             state=self.state,  # type: ignore[arg-type]
             child_pid=self.child_pid,
-            child_alive=process_alive(self.child_pid, self.child_start_time),
+            child_alive=(process_alive(self.child_pid, self.child_start_time) if liveness
+                         else None),
             deposited_at=self.deposited_at,
             state_since=self.state_since,
             buffered_bytes=self.ring.size,
