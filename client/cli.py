@@ -296,7 +296,8 @@ _ALIVE = {True: "yes", False: "no", None: "?"}
 
 
 def _session_table(sessions: Sequence[SessionInfo], now: float) -> str:
-    header = ("SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "BUFFERED", "DROPPED", "AGE")
+    header = ("SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "BUFFERED", "DROPPED", "AGE",
+              "ATTACH")
     rows = [header] + [
         (
             f"{s.owner}/{s.id}",
@@ -307,6 +308,7 @@ def _session_table(sessions: Sequence[SessionInfo], now: float) -> str:
             _size(s.buffered_bytes),
             _size(s.dropped_bytes),
             _duration(now - s.state_since),
+            _attachable(s),
         )
         for s in sessions
     ]
@@ -317,6 +319,22 @@ def _session_table(sessions: Sequence[SessionInfo], now: float) -> str:
                   for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
         for row in rows
     )
+
+
+def _attachable(s: SessionInfo) -> str:
+    """Whether `escrowctl attach` can pick the session up now, and if not, who has it."""
+    if s.state == "draining":
+        return "yes"
+    if s.state == "exited":
+        return "yes (ended)"
+    if s.state == "held":
+        if s.custodian_pid is None:
+            return "no: held"
+        name = liveness.process_name(s.custodian_pid)
+        return f"no: held by pid {s.custodian_pid}" + (f" ({name})" if name else "")
+    if s.state == "handing_off":
+        return "no: being retrieved"
+    return "-"
 
 
 # --- release ------------------------------------------------------------------------------

@@ -56,6 +56,14 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
     return bool(abs(created - start_time) < _SAME_START)
 
 
+def process_name(pid: int) -> str | None:
+    """The name of process `pid` (`escrowctl`, `python3`...), or None if it cannot be told."""
+    try:
+        return str(psutil.Process(pid).name()) or None
+    except (psutil.Error, OSError):
+        return None
+
+
 # --- the holder on a socket path (DESIGN §7) ----------------------------------------------
 
 # How long `escrowctl status` waits for an answer by default: short, because a monitor runs

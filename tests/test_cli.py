@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import psutil
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
 from escrow_client import HolderStatus, SessionInfo
@@ -105,7 +106,7 @@ def test_list_shows_deposited_sessions(holder: HolderProcess, pty_children) -> N
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "BUFFERED",
-                                "DROPPED", "AGE"]
+                                "DROPPED", "AGE", "ATTACH"]
     row = next(line for line in lines if line.startswith(f"{OWNER}/tab-1 "))
     assert row.split()[:5] == [f"{OWNER}/tab-1", "draining", "zsh", str(mine.pid), "yes"]
     row = next(line for line in lines if line.startswith(f"{OTHER_OWNER}/tab-9 "))
@@ -126,6 +127,31 @@ def test_list_shows_deposited_sessions(holder: HolderProcess, pty_children) -> N
     result = escrowctl(holder.socket, "list", "--owner", OWNER)
     assert f"{OWNER}/tab-1" in result.stdout
     assert OTHER_OWNER not in result.stdout
+
+
+def test_list_says_what_can_be_attached(holder: HolderProcess, pty_children) -> None:
+    """`escrowctl attach` takes a draining or exited session; a held one is named with the
+    process that holds it."""
+    deposit(holder, pty_children, "t-draining")
+    exited = pty_children(["sh", "-c", "echo bye"])
+    exited.read_available(until=b"bye")
+    holder.client().hand_off("t-exited", exited.master, child_pid=exited.pid)
+    wait_for(lambda: [s.state for s in holder.client().list() if s.id == "t-exited"]
+             == ["exited"], 10.0, "the session to be exited")
+    held = pty_children(["sh", "-c", "exec sleep 60"])
+    with holder.client().custody() as custody:
+        custody.deposit("t-held", held.master, child_pid=held.pid)
+        result = escrowctl(holder.socket, "list")
+        custody.release("t-held")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    column = lines[0].index("ATTACH")
+    attach = {line.split()[0]: line[column:] for line in lines[1:]}
+    assert attach == {
+        f"{OWNER}/t-draining": "yes",
+        f"{OWNER}/t-exited": "yes (ended)",
+        f"{OWNER}/t-held": f"no: held by pid {os.getpid()} ({psutil.Process().name()})",
+    }
 
 
 def test_list_without_a_holder_is_a_clean_error(socket_dir: Path) -> None:
