@@ -1,4 +1,5 @@
-"""`escrowctl`: look at the holder, its sessions, and take a relaunch for a test drive.
+"""`escrowctl`: look at the holder, its sessions, and take a relaunch for a test drive;
+attach a terminal to a session, or run a command in a new one.
 
 Every subcommand is a thin layer over `EscrowClient`, or over `liveness.holder_verdict`
 for `status` and `stop`; nothing here speaks the protocol itself. Exit status: 0 on success;
@@ -25,7 +26,17 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, control, demo, errors, liveness, paths, protocol, service_files
+from . import (
+    __version__,
+    attach,
+    control,
+    demo,
+    errors,
+    liveness,
+    paths,
+    protocol,
+    service_files,
+)
 from .client import DEFAULT_TIMEOUT, EscrowClient
 from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from .protocol import HolderStatus, SessionInfo
@@ -335,6 +346,71 @@ def _attachable(s: SessionInfo) -> str:
     if s.state == "handing_off":
         return "no: being retrieved"
     return "-"
+
+
+# --- attach and run -----------------------------------------------------------------------
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    owner, sid = args.session
+    ending = attach.attach(_client(args, owner), sid, args.detach_key)
+    return _attach_ended(args, owner, sid, ending)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        command = [os.environ.get("SHELL") or "/bin/sh"]
+    sid = args.id or _run_id(command[0])
+    label = args.label if args.label is not None else shlex.join(command)[:256]
+    try:
+        ending = attach.run(_client(args, args.owner), command, sid, label, args.detach_key)
+    except attach.CannotRun as exc:
+        print(f"escrowctl: {exc}", file=sys.stderr)
+        return exc.status
+    return _attach_ended(args, args.owner, sid, ending)
+
+
+def _run_id(program: str) -> str:
+    """A new session id for `run`, named for the program: `bash-3f9a1c`."""
+    name = re.sub(r"[^A-Za-z0-9._:@-]", "_", os.path.basename(program))[:64] or "run"
+    return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+def _attach_ended(args: argparse.Namespace, owner: str, sid: str, ending: attach.Ending) -> int:
+    """Say how the attachment ended; the exit status. A detach is 0; the program's end is
+    its status for `run`, 0 for `attach` (which cannot know it)."""
+    if ending.detached:
+        again = shlex.join(["escrowctl", *(["--socket", args.socket] if args.socket else []),
+                            "attach", f"{owner}/{sid}"])
+        _tell(f"\nescrowctl: detached from {owner}/{sid} ({ending.why}); attach again with: "
+              f"{again}")
+        return 0
+    if ending.status is None:
+        _tell(f"escrowctl: {owner}/{sid} has ended ({ending.why}); the holder released it")
+        return 0
+    return ending.status
+
+
+def _tell(text: str) -> None:
+    """A line on stderr, unless the terminal is gone."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _detach_key(text: str) -> int | None:
+    try:
+        return attach.parse_key(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _name(text: str) -> str:
+    if not _NAME_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1-128 of A-Z a-z 0-9 . _ : @ -")
+    return text
 
 
 # --- release ------------------------------------------------------------------------------
@@ -689,6 +765,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session", metavar="OWNER/ID", type=_session_ref,
                    help="the session, as `escrowctl list` shows it")
     p.set_defaults(func=cmd_release)
+
+    detach_help = (f"the key that detaches (default {attach.DEFAULT_DETACH_KEY}, that is "
+                   "Ctrl-\\); press it twice quickly to send it to the session itself; "
+                   "`none`: no detach key")
+    p = sub.add_parser(
+        "attach", help="attach this terminal to an escrowed session",
+        description="Take a session into custody and attach this terminal to it: the "
+        "screen is reset, the session's replay written and its program made to redraw; "
+        "then what you type goes to the program and what it prints comes here, without "
+        "passing through the holder. The detach key, or losing this terminal, ends "
+        "custody: the holder drains the session again, and it can be attached again. A "
+        "session an app holds is left alone: the answer names the pid that holds it. If "
+        "the program ends while attached, the session is released.",
+    )
+    p.add_argument("session", metavar="OWNER/ID", type=_session_ref,
+                   help="the session, as `escrowctl list` shows it")
+    p.add_argument("--detach-key", type=_detach_key, metavar="KEY",
+                   default=attach.parse_key(attach.DEFAULT_DETACH_KEY), help=detach_help)
+    p.set_defaults(func=cmd_attach)
+
+    p = sub.add_parser(
+        "run", help="run a command in a new escrowed session, attached to this terminal",
+        description="Start COMMAND (default: $SHELL) in a new terminal the size of this one, "
+        "escrow it, and attach this terminal to it (see `escrowctl attach`). Detach with "
+        "the detach key: the program runs on, the holder drains its output, and `escrowctl "
+        "attach OWNER/ID` picks it up from any terminal. When the program ends while "
+        "attached, escrowctl exits with its status (128+N for signal N).",
+    )
+    p.add_argument("--owner", type=_name, default=ADMIN_OWNER,
+                   help=f"the session's owner (default {ADMIN_OWNER})")
+    p.add_argument("--id", type=_name, help="the session's id (default: the program's name "
+                   "and a random suffix, e.g. bash-3f9a1c)")
+    p.add_argument("--label", help="the label `escrowctl list` shows (default: the command)")
+    p.add_argument("--detach-key", type=_detach_key, metavar="KEY",
+                   default=attach.parse_key(attach.DEFAULT_DETACH_KEY), help=detach_help)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the command and its arguments")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
         "install-service", help="write the systemd units or the LaunchAgent for this escrowd",
