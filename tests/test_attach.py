@@ -337,6 +337,10 @@ def test_vim_redraws_at_the_size_of_the_terminal_it_is_attached_to(
 def test_losing_the_terminal_detaches_and_nothing_is_lost(
     screens: Screens, holder: HolderProcess
 ) -> None:
+    """The terminal escrowctl runs in disappears: the tmux server that holds the pane's
+    PTY master is SIGKILLed, so the kernel hangs the pane up (SIGHUP, then EIO), as when
+    a terminal window is closed or crashes. (A tmux client going away would not do: the
+    pane, and escrowctl in it, live on in the server.)"""
     first_server = screens.tmux()
     a = first_server.pane("a")
     a.line(f"escrowctl run --id k1 -- {INNER_BASH}")
@@ -579,6 +583,34 @@ def test_run_exits_with_the_programs_status_and_releases_it(
     assert rc == 128 + signal.SIGKILL, out
     assert "bye" in out  # its last words, before the end
     assert state(holder, "r1") == "released"
+
+
+def test_pressing_the_detach_key_twice_sends_it(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    # The program reads one byte in raw mode (where ^\ is a byte, not SIGQUIT).
+    local = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "k2", "--",
+                          "sh", "-c", "stty raw -echo; printf 'rea''dy'; "
+                          "head -c 1 | od -An -tx1; stty sane"])
+    assert b"ready" in local.read_available(until=b"ready")
+    os.write(local.master, b"\x1c\x1c")
+    out = local.read_available(until=b"1c")
+    assert local.proc.wait(TIMEOUT) == 0
+    assert re.search(rb"^ *1c\s*$", out, re.MULTILINE), out
+    assert state(holder, "k2") == "released"
+
+
+def test_attach_of_an_exited_session_shows_its_last_words_and_releases_it(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo last words"])
+    holder.client().hand_off("t1", program.master, child_pid=program.pid)
+    wait_for(lambda: state(holder, "t1", OWNER) == "exited", TIMEOUT, "the session to exit")
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", f"{OWNER}/t1")
+    assert rc == 0, out
+    assert "last words" in out
+    assert f"escrowctl: {OWNER}/t1 has ended" in out
+    assert state(holder, "t1", OWNER) == "released"
 
 
 def test_a_program_run_holds_no_socket(holder: HolderProcess,
