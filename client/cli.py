@@ -679,6 +679,14 @@ exit status:
 """
 
 
+def _add_detach_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--detach-key", type=_detach_key, metavar="KEY",
+                   default=attach.parse_key(attach.DEFAULT_DETACH_KEY),
+                   help=f"the key that detaches (default {attach.DEFAULT_DETACH_KEY}, that is "
+                   "Ctrl-\\); press it twice quickly to send it to the session itself; "
+                   "`none`: no detach key")
+
+
 def _add_sub_timeout(p: argparse.ArgumentParser, what: str) -> None:
     """`--timeout` after the subcommand too (`escrowctl status --timeout 1`)."""
     p.add_argument("--timeout", dest="sub_timeout", type=_positive, default=None,
@@ -766,9 +774,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the session, as `escrowctl list` shows it")
     p.set_defaults(func=cmd_release)
 
-    detach_help = (f"the key that detaches (default {attach.DEFAULT_DETACH_KEY}, that is "
-                   "Ctrl-\\); press it twice quickly to send it to the session itself; "
-                   "`none`: no detach key")
     p = sub.add_parser(
         "attach", help="attach this terminal to an escrowed session",
         description="Take a session into custody and attach this terminal to it: the "
@@ -781,8 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("session", metavar="OWNER/ID", type=_session_ref,
                    help="the session, as `escrowctl list` shows it")
-    p.add_argument("--detach-key", type=_detach_key, metavar="KEY",
-                   default=attach.parse_key(attach.DEFAULT_DETACH_KEY), help=detach_help)
+    _add_detach_key(p)
     p.set_defaults(func=cmd_attach)
 
     p = sub.add_parser(
@@ -798,8 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", type=_name, help="the session's id (default: the program's name "
                    "and a random suffix, e.g. bash-3f9a1c)")
     p.add_argument("--label", help="the label `escrowctl list` shows (default: the command)")
-    p.add_argument("--detach-key", type=_detach_key, metavar="KEY",
-                   default=attach.parse_key(attach.DEFAULT_DETACH_KEY), help=detach_help)
+    _add_detach_key(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                    help="the command and its arguments")
     p.set_defaults(func=cmd_run)
