@@ -158,8 +158,15 @@ class Ring:
         died with a write in flight, the oldest bytes that write may have overwritten are
         dropped (returns how many): a replay never holds torn output."""
         state = self.state
-        in_flight = max(0, state.writing - state.total)
-        self._total = state.total
+        # The file is the app's to write: a counter that went back (a bug, or a hostile
+        # app) is not believed, and what it recorded is not taken. (Forward, any count is
+        # possible: a record longer than the ring only counts what it overwrites at once.)
+        total = state.total
+        if total < self._total or total >= 1 << 62:
+            state.set_total(self._total)
+            total = self._total
+        in_flight = max(0, min(state.writing - total, MAX_READ))
+        self._total = total
         self._length = self.length_at_layout + self._total - self.total_at_layout
         state.clear_writing()
         suspect = 0
