@@ -88,7 +88,6 @@ class Custody:
         channel.keep_open = True
         self._channel: Channel | None = channel
         self._lock = threading.RLock()  # one call at a time on the connection
-        self._journal_lock = threading.Lock()  # swapping journals (never held for a call)
         self._kept: dict[str, _Kept] = {}
         self._callbacks: list[Callable[[bool], None]] = []
         self._protected = True
@@ -285,17 +284,20 @@ class Custody:
         """Map the state file a `deposited` carried (replacing an earlier mapping: a new
         holder may have given a new file). Without one, the session has no journal."""
         layout = reply.journal if isinstance(reply, protocol.Deposited) else None
-        writer = None
-        if layout is not None and fds:
-            try:
-                writer = JournalWriter(fds.pop(0), layout)
-            except JournalError:
-                writer = None  # escrowed all the same; only the journal is off
+        writer = kept.journal
+        try:
+            if layout is not None and fds:
+                if writer is not None:
+                    writer.remap(fds.pop(0), layout)  # the same writer: no record lost
+                else:
+                    writer = JournalWriter(fds.pop(0), layout)
+            elif writer is not None:
+                writer.close()  # no journal on this holder: we must not write that ring
+                writer = None
+        except JournalError:
+            writer = None  # escrowed all the same; only the journal is off
         close_fds(fds)
-        with self._journal_lock:
-            old, kept.journal = kept.journal, writer
-        if old is not None:
-            old.close()
+        kept.journal = writer
 
     def _keep_retrieved(self, got: dict[str, Retrieved], journal: bool) -> None:
         """Sessions retrieved into this custody: keep a duplicate of each (and its journal)

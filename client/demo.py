@@ -226,8 +226,9 @@ def _show_reclaimed(got: Retrieved, args: argparse.Namespace) -> tuple[bool, boo
         f"reading{dropped}:")
     lines = Lines()
     replayed = show(lines.feed(got.replay), "   replay | ")
-    got.repaint()  # a full-screen program would redraw now (a counter has nothing to redraw)
-    say("   then the new app reads the same terminal, live:")
+    got.repaint()
+    say("   then it repaints (vim or top would draw their screen again) and reads the same")
+    say("   terminal, live:")
     live = read_ticks(got.fd, lines, LIVE_TICKS, "   live   | ")
 
     say("")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import struct
 import threading
 
@@ -45,6 +46,17 @@ class JournalWriter:
 
     def __init__(self, fd: int, journal: protocol.Journal) -> None:
         self._lock = threading.Lock()
+        self._map(fd, journal)
+
+    def remap(self, fd: int, journal: protocol.Journal) -> None:
+        """Go on writing in another mapping (a holder that restarted handed the state file
+        over again, or a new one): no record falls between the two, nor is counted twice.
+        Takes `fd` as the constructor does; raises JournalError (closed) as it does."""
+        with self._lock:
+            self._unmap()
+            self._map(fd, journal)
+
+    def _map(self, fd: int, journal: protocol.Journal) -> None:
         try:
             self._mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
@@ -55,7 +67,7 @@ class JournalWriter:
         magic, version, _, data_offset, size = FIXED.unpack_from(self._mm, 0)
         if (magic != MAGIC or version != LAYOUT_VERSION or not 0 < journal.capacity <= size
                 or data_offset + size > len(self._mm)):
-            self.close()
+            self._unmap()
             raise JournalError("the holder sent a state file of another layout")
         view = memoryview(self._mm)
         self._data: memoryview | None = view[data_offset : data_offset + journal.capacity]
@@ -91,6 +103,11 @@ class JournalWriter:
         straight into the ring, and are copied out once for the caller, so that recording
         costs the app next to nothing. Reads at most up to the ring's end (and MAX_WRITE
         bytes) at a time. OSError (EAGAIN, EIO) as os.read, with nothing recorded."""
+        if os.get_blocking(fd):
+            # Wait for the terminal outside the lock: `close` must not wait for output.
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll()
         with self._lock:
             ring, counters, cap = self._data, self._counters, self.capacity
             if ring is None or counters is None:
@@ -138,14 +155,17 @@ class JournalWriter:
     def close(self) -> None:
         """Stop writing and unmap (idempotent)."""
         with self._lock:
-            for name in ("_data", "_counters"):
-                view = getattr(self, name, None)
-                if view is not None:
-                    view.release()
-                setattr(self, name, None)
-            mm = self.__dict__.pop("_mm", None)
-            if mm is not None:
-                mm.close()
-            if getattr(self, "fd", -1) >= 0:
-                fd, self.fd = self.fd, -1
-                os.close(fd)
+            self._unmap()
+
+    def _unmap(self) -> None:
+        for name in ("_data", "_counters"):
+            view = getattr(self, name, None)
+            if view is not None:
+                view.release()
+            setattr(self, name, None)
+        mm = self.__dict__.pop("_mm", None)
+        if mm is not None:
+            mm.close()
+        if getattr(self, "fd", -1) >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

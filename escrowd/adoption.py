@@ -161,7 +161,7 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
     in_flight = not record.clean and record.state in ("draining", "handing_off")
     trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
                          record.length_at_layout, in_flight, record.saturated,
-                         record.consumed)
+                         record.consumed, record.dropped_base)
     session = Session.adopted(master, ring, record, holder.instance)
     if in_flight:
         session.gap_totals.append(ring.total)  # one read's bytes may be missing after here
@@ -178,11 +178,12 @@ def _resume(holder: Holder, session: Session) -> None:
     elif session.state == "handing_off":
         holder.nursery.start_soon(_await_adopted_ack, holder, session)
     elif session.state == "held":
-        holder.nursery.start_soon(_watch_custodian, holder, session)
+        holder.nursery.start_soon(watch_custodian, holder, session)
 
 
-async def _watch_custodian(holder: Holder, session: Session) -> None:
-    """Held by an app this holder never spoke to: drain once that app is gone."""
+async def watch_custodian(holder: Holder, session: Session) -> None:
+    """Held by an app with no connection to this holder (it held custody of a holder
+    before, or the holder dropped its connection): drain once that app is gone."""
     pid = session.custodian_pid
     with trio.CancelScope() as scope:
         session.watch_scope = scope

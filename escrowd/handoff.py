@@ -208,7 +208,7 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
     replay = ring.contents()
     # Only a ring that lost its oldest bytes can start inside a line, a sequence or a
     # character; a replay that starts where the app stopped reading does not.
-    trimmed = clean_start(replay) if ring.dropped else 0
+    trimmed = clean_start(replay) if ring.dropped_since_delivery else 0
     if trimmed:
         replay = replay[trimmed:]
         info.replay_gaps = [at - trimmed for at in info.replay_gaps if at >= trimmed]
@@ -218,7 +218,7 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
         handoff_id=session.handoff_id or "",
         session=info,
         replay=replay,
-        dropped_bytes=ring.dropped,
+        dropped_bytes=ring.dropped_since_delivery,
         replay_trimmed=trimmed,
         replay_journaled=journal.journaled(session, ring.total - len(replay)),
         journal=layout,

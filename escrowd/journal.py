@@ -57,6 +57,7 @@ def end(session: Session) -> None:
     session.journal_from = None
     if ring.total > start:
         session.journal_ranges.append((start, ring.total))
+    journaled(session, ring.total - ring.size)  # forgets ranges no longer in the ring
     session.persist()
     session.log("journal_end", recorded=ring.total - start, torn_write=in_flight,
                 dropped=dropped or None)

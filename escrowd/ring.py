@@ -42,6 +42,7 @@ class Layout(TypedDict):
     length_at_layout: int
     saturated: bool
     consumed: int
+    dropped_base: int
 
 
 class RingBudget:
@@ -98,6 +99,7 @@ class Ring:
         # Counted in `total` but neither held nor dropped: delivered by a retrieve into
         # custody (`consume`).
         self.consumed = 0
+        self.dropped_base = 0  # `dropped` when the replay was last delivered (`consume`)
         self.on_layout: Callable[[], None] | None = None
 
     # --- what is held --------------------------------------------------------------------
@@ -113,7 +115,14 @@ class Ring:
 
     @property
     def dropped(self) -> int:
+        """Bytes lost to a full ring, ever."""
         return self._total - self.size - self.consumed
+
+    @property
+    def dropped_since_delivery(self) -> int:
+        """Bytes lost since the replay was last delivered: what the next replay misses
+        at its start."""
+        return self.dropped - self.dropped_base
 
     def contents(self) -> bytes:
         """Every byte held, oldest first."""
@@ -131,7 +140,7 @@ class Ring:
         return {"capacity": self.capacity, "origin": self.origin,
                 "total_at_layout": self.total_at_layout,
                 "length_at_layout": self.length_at_layout, "saturated": self.saturated,
-                "consumed": self.consumed}
+                "consumed": self.consumed, "dropped_base": self.dropped_base}
 
     def position(self, total: int) -> int:
         """Where in `data` the byte numbered `total` goes (0 for a ring with no storage)."""
@@ -152,14 +161,22 @@ class Ring:
         replay starts empty from here, and those bytes are not counted as dropped."""
         self.consumed += self.size
         self._relayout(self.position(self._total), self._total, 0)
+        self.dropped_base = self.dropped  # (held is 0 now: what was lost before delivery)
 
     def resync(self) -> int:
         """Custody ended on a ring an app was writing: take its counter as ours. If the app
         died with a write in flight, the oldest bytes that write may have overwritten are
         dropped (returns how many): a replay never holds torn output."""
         state = self.state
-        in_flight = max(0, state.writing - state.total)
-        self._total = state.total
+        # The file is the app's to write: a counter that went back (a bug, or a hostile
+        # app) is not believed, and what it recorded is not taken. (Forward, any count is
+        # possible: a record longer than the ring only counts what it overwrites at once.)
+        total = state.total
+        if total < self._total or total >= 1 << 62:
+            state.set_total(self._total)
+            total = self._total
+        in_flight = max(0, min(state.writing - total, MAX_READ))
+        self._total = total
         self._length = self.length_at_layout + self._total - self.total_at_layout
         state.clear_writing()
         suspect = 0
@@ -270,14 +287,15 @@ class Ring:
     # --- adoption --------------------------------------------------------------------------
 
     def adopt(self, capacity: int, origin: int, total_at_layout: int, length_at_layout: int,
-              unclean: bool, saturated: bool = True, consumed: int = 0) -> int:
+              unclean: bool, saturated: bool = True, consumed: int = 0,
+              dropped_base: int = 0) -> int:
         """Take over the layout a state file recorded (a holder starting with stored
         state). After an unclean stop a read may have been in flight: if the layout was
         `saturated` (the ring could grow no more), its bytes may have overwritten the oldest
         ones before the counter moved, so those are dropped. Returns how many bytes that
         dropped."""
         self._budget.take(capacity)
-        self.consumed = consumed
+        self.consumed, self.dropped_base = consumed, dropped_base
         self.capacity, self.origin = capacity, origin
         self.total_at_layout, self.length_at_layout = total_at_layout, length_at_layout
         self._total = self.state.total

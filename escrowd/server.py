@@ -31,7 +31,7 @@ from escrow_client.platform import (
 )
 
 from . import __version__, handoff, journal
-from .adoption import Adoption, adopt
+from .adoption import Adoption, adopt, watch_custodian
 from .config import Config
 from .connection import Connection, SendTimeout
 from .fdstore import HOLDER_NAME, FdStore, StoreError, session_name
@@ -490,13 +490,20 @@ class Holder:
             await conn.send_error(code, f"session {conn.owner}/{request.id} is {code}",
                                   request.id)
             return
+        before = (session.cols, session.rows, session.meta)
         if request.cols is not None:
             session.cols = request.cols
         if request.rows is not None:
             session.rows = request.rows
         if request.meta is not None:
             session.meta = request.meta
-        session.persist()
+        try:
+            session.persist()
+        except ValueError as exc:  # the record would not fit its state file
+            session.cols, session.rows, session.meta = before
+            await conn.send_error("limit", f"cannot record that for {session.name}: {exc}",
+                                  request.id)
+            return
         await conn.send(protocol.Updated(id=request.id))
 
     def _end_custody_already_ended(self) -> None:
@@ -512,15 +519,30 @@ class Holder:
                     self.stopping = True
 
     def _end_custody(self, conn: Connection) -> None:
-        """The custodian is gone: everything it still held starts draining (unless the
-        holder is stopping: then the app is not gone, and its sessions stay held for the
-        holder that adopts them)."""
+        """The custodian connection ended: everything it still held starts draining, if
+        the app hung it up (it closed custody, or its process died). If this holder ended
+        it instead (a send the app did not take in time, a broken frame) the app is alive
+        and still reading: its sessions stay held, by nobody connected, while its process
+        lives, as after a holder restart, and the app's custody takes them back on a new
+        connection. (And while the holder is stopping, the app is not gone either.)"""
         if self.stopping and self.store.enabled:
             return
-        for session in list(self.registry.live.values()):
-            if session.custodian is conn and session.state == "held":
-                session.custodian = None
-                session.start_drain(self.nursery, f"custodian gone conn={conn.number}")
+        held = [s for s in self.registry.live.values()
+                if s.custodian is conn and s.state == "held"]
+        if not held:
+            return
+        app_alive = conn.peer_pid is not None and not _peer_hung_up(conn)
+        for session in held:
+            session.custodian = None
+            try:
+                if app_alive:
+                    session.log("custody", reason=f"conn={conn.number} dropped by the holder: "
+                                "held while its app lives", custodian_pid=session.custodian_pid)
+                    self.nursery.start_soon(watch_custodian, self, session)
+                else:
+                    session.start_drain(self.nursery, f"custodian gone conn={conn.number}")
+            except Exception as exc:  # one session's surprise must not stop the others
+                session.log("internal_error", where="end of custody", error=repr(exc))
 
     async def _release(self, conn: Connection, sid: str) -> None:
         session = self.registry.get(conn.owner, sid)

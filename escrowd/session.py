@@ -41,6 +41,9 @@ _DRAIN_SLICE = 256 * 1024
 # Upper bound for one read when FIONREAD says 0 but poll says readable (a hangup, or bytes
 # not yet pushed to the line discipline): such a read returns at once.
 _HANGUP_READ = 64 * 1024
+# Replay gaps and journal ranges a record keeps at most (a session could gather one per
+# custody or per unclean restart, for ever).
+_MAX_SPOTS = 64
 # FIONREAD's answer lands here: the event loop is one thread, and this saves an allocation
 # and an unpack on every read of a fast child.
 _READABLE = array.array("i", [0])
@@ -140,6 +143,8 @@ class Session:
         that adopts it needs. `clean` only when this holder stops cleanly."""
         if self.fd < 0:
             return  # closed: its state file is gone with it
+        # Bounded, so that a record always fits its slot (the oldest spots go first).
+        del self.gap_totals[:-_MAX_SPOTS], self.journal_ranges[:-_MAX_SPOTS]
         self.ring.state.write(Record(
             token=self.token, owner=self.owner, id=self.id, label=self.label,
             child_pid=self.child_pid, child_start_time=self.child_start_time,

@@ -90,6 +90,7 @@ class Record(msgspec.Struct, kw_only=True):
     length_at_layout: int = 0
     saturated: bool = False  # the ring could grow no more: a read may overwrite its oldest
     consumed: int = 0  # bytes counted in `total` that a retrieve into custody delivered
+    dropped_base: int = 0  # bytes dropped before that delivery
     journal_from: int | None = None  # the app journals into the ring from this total on
     journal_ranges: list[tuple[int, int]] = []  # [from, to) totals an app recorded
     gap_totals: list[int] = []  # byte numbers after which one read may be missing

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -48,10 +49,17 @@ def main() -> None:
         master, pid, journaled = retrieved.fd, retrieved.session.child_pid or 0, \
             retrieved.replay_journaled
     print("ready", pid, journaled, flush=True)
+    # SIGUSR1: stop reading (after writing out what was read) and say so, so that a test's
+    # SIGKILL cannot fall between a read and its write to OUT.
+    paused: list[bool] = []
+    signal.signal(signal.SIGUSR1, lambda *_: paused.append(True))
     with open(out_path, "ab", buffering=0) as out:
-        while True:
-            select.select([master], [], [])
-            out.write(custody.read(sid))
+        while not paused:
+            if select.select([master], [], [], 0.05)[0]:
+                out.write(custody.read(sid))
+    with open(out_path + ".paused", "w"):
+        pass
+    signal.pause()
 
 
 if __name__ == "__main__":

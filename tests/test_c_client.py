@@ -20,7 +20,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,6 +277,40 @@ def test_c_releases_a_session(
     expect_error(run_c(build, holder.socket, "retrieve", "to-release"), "released", "to-release")
 
 
+def test_c_updates_size_and_meta(
+    build: Build, holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """update (PROTOCOL.md 10.5): what is given replaces what was recorded, a nil (`-`, or
+    no meta) leaves it, and a meta given replaces the whole map."""
+    child = counter_child(pty_children)
+    holder.client().hand_off("to-update", child.master, child_pid=child.pid, cols=80, rows=24,
+                             meta={"cwd": "/a"})
+    os.close(child.master)
+    child.master = -1
+    assert "update" in run_c(build, holder.socket, "welcome").json()["features"]
+
+    def recorded() -> tuple[int, int, dict[str, str]]:
+        info = info_of(holder, "to-update")
+        assert info is not None
+        return info.cols, info.rows, info.meta
+
+    def update(*args: str) -> None:
+        run = run_c(build, holder.socket, "update", "to-update", *args)
+        assert run.status == 0, run.err
+
+    update("132", "43", "cwd=/b", "title=é")
+    assert recorded() == (132, 43, {"cwd": "/b", "title": "é"})
+    update("-", "50")
+    assert recorded() == (132, 50, {"cwd": "/b", "title": "é"})
+    update("-", "-", "{}")
+    assert recorded() == (132, 50, {})
+    expect_error(run_c(build, holder.socket, "update", "never-seen", "1", "1"), "unknown",
+                 "never-seen")
+    holder.client().release("to-update")
+    expect_error(run_c(build, holder.socket, "update", "to-update", "1", "1"), "released",
+                 "to-update")
+
+
 # --- the holder's refusals ----------------------------------------------------------------------
 
 
@@ -504,7 +538,8 @@ def read(conn: socket.socket) -> protocol.Request:
     return protocol.decode_request(body)
 
 
-def send(conn: socket.socket, message: protocol.Message, fd: int | None = None) -> None:
+def send(conn: socket.socket, message: protocol.Message,
+         fd: int | Sequence[int] | None = None) -> None:
     fdpass.send_frame(conn, protocol.encode(message), fd)
 
 
@@ -587,6 +622,7 @@ def _hand_over(master: int, after_ack: Callable[[], None] = lambda: None) -> Han
         greet(conn)
         request = read(conn)
         assert isinstance(request, protocol.Retrieve)
+        assert (request.keep, request.journal) == (False, False), "a plain retrieve"
         info = protocol.SessionInfo(owner=OWNER, id=request.id, state="draining",
                                     deposited_at=1.5, handoff_id="h-1")
         send(conn, protocol.Handoff(handoff_id="h-1", session=info, replay=b"R\r\n"), fd=master)
@@ -684,6 +720,98 @@ def test_a_non_terminal_handed_off_is_not_acked(
     expect_error(run_c(build, holder.path, "retrieve", "s"), "protocol", "s")
 
 
+JOURNAL = protocol.Journal(capacity=1 << 20, total=5, position=5)
+
+
+@pytest.mark.parametrize(("journal", "fds", "refused"), [
+    (True, 1, None),  # a state file with its journal: closed, the deposit stands
+    (True, 0, "a deposited frame came with 0 fds, not 1"),  # a journal without its file
+    (False, 1, "a deposited frame came with 1 fds, not 0"),  # a file without a journal
+])
+def test_a_deposited_counts_its_state_file_from_its_journal(
+    build: Build, fake: Callable[..., FakeHolder], journal: bool, fds: int,
+    refused: str | None,
+) -> None:
+    """The C client asks for no journal, but counts a deposited's fds from the message
+    (PROTOCOL.md section 4). A state file that comes with a journal (a holder resuming a
+    session that journals, 10.4) is closed: the C API never writes one. A count that
+    disagrees with `journal` is a bad frame, every fd of it closed (the driver fails on an
+    fd left open)."""
+    def answer(conn: socket.socket) -> None:
+        greet(conn)
+        request = read(conn)
+        assert isinstance(request, protocol.Deposit) and request.journal is False
+        r, w = os.pipe()  # the "state file"
+        try:
+            send(conn, protocol.Deposited(id=request.id, journal=JOURNAL if journal else None),
+                 fd=[r][:fds])
+        finally:
+            os.close(r)
+            os.close(w)
+        conn.settimeout(10)
+        assert conn.recv(1) == b"", "custody ends: the client hangs up"
+
+    holder = fake([answer])
+    master, other = os.pipe()  # what the client deposits: the fake does not look
+    try:
+        run = run_c(build, holder.path, "hand-off", "s", str(master), pass_fds=(master,))
+    finally:
+        os.close(master)
+        os.close(other)
+    if refused is None:
+        assert run.status == 0, run.err
+        return
+    assert expect_error(run, "protocol")["message"] == refused
+
+
+@pytest.mark.parametrize(("journal", "fds", "refused"), [
+    (True, 2, None),  # the master, then the state file: the file is closed, the master kept
+    (True, 1, "a handoff frame came with 1 fds, not 2"),  # a journal without its file
+    (False, 2, "a handoff frame came with 2 fds, not 1"),  # a second fd without a journal
+])
+def test_a_handoff_counts_its_state_file_from_its_journal(
+    build: Build, fake: Callable[..., FakeHolder], pty_children: Callable[..., PtyChild],
+    journal: bool, fds: int, refused: str | None,
+) -> None:
+    """A handoff carries the master, and a state file after it when `journal` is set
+    (PROTOCOL.md sections 4 and 12.6). The C retrieve asks for neither keep nor journal, so
+    it closes a state file that comes anyway and acks the master; a count that disagrees
+    with `journal` is a bad frame, never acked."""
+    child = pty_children(["sh", "-c", "sleep 30"])
+
+    def serve(conn: socket.socket) -> None:
+        greet(conn)
+        assert read(conn) == protocol.Retrieve(id="s")
+        info = protocol.SessionInfo(owner=OWNER, id="s", state="draining", handoff_id="h-1",
+                                    buffered_bytes=3)
+        r, w = os.pipe()  # the "state file"
+        try:
+            send(conn, protocol.Handoff(handoff_id="h-1", session=info, replay=b"R\r\n",
+                                        replay_journaled=2, journal=JOURNAL if journal else None),
+                 fd=[child.master, r][:fds])
+        finally:
+            os.close(r)
+            os.close(w)
+        if refused is not None:
+            conn.settimeout(10)
+            assert conn.recv(1) == b"", "no ack: the client hung up"
+            return
+        assert read(conn) == protocol.Ack(id="s", handoff_id="h-1", keep=False)
+        send(conn, protocol.Done(id="s"))
+
+    holder = fake([serve])
+    run = run_c(build, holder.path, "retrieve", "s")
+    if refused is not None:
+        assert expect_error(run, "protocol", "s")["message"] == refused
+        assert run.out == b""
+        return
+    assert run.status == 0, run.err
+    (facts,) = run.lines()
+    assert (facts["confirmed"], facts["replay_journaled"], facts["replay_trimmed"]) == (
+        True, 2, 0)
+    assert run.out == b"R\r\n"
+
+
 def test_the_sanitizers_are_built_in(build: Build) -> None:
     """A clean sanitized run means something only if the sanitizers are really there."""
     nm = subprocess.run(["nm", str(build.sanitized)], capture_output=True, text=True)
@@ -700,23 +828,48 @@ REQUEST_VECTORS = [n for n, v in VECTORS.items() if v["direction"] == "client_to
 RESPONSE_VECTORS = [n for n, v in VECTORS.items() if v["direction"] == "holder_to_client"]
 
 
+def _flag(value: bool) -> str:
+    assert isinstance(value, bool)
+    return "true" if value else "false"
+
+
+def _pairs(mapping: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in mapping.items()]
+
+
 def encode_args(message: dict[str, Any]) -> list[str]:
-    """The driver's `encode` arguments for a request vector's message."""
+    """The driver's `encode` arguments for a request vector's message: every field of it,
+    so the bytes the C encoder writes are compared with the vector's, none left to a
+    default of the driver's."""
     kind = message["type"]
     if kind == "hello":
         assert message["version"] == 1
         return [kind, message["owner"], message["client"], repr(message["timeout"])]
     if kind == "deposit":
-        meta = [f"{k}={v}" for k, v in message["meta"].items()]
         return [kind, message["id"], message["label"], str(message["child_pid"] or 0),
-                str(message["cols"]), str(message["rows"]), *meta]
+                str(message["cols"]), str(message["rows"]), _flag(message["journal"]),
+                *_pairs(message["meta"])]
+    if kind == "retrieve":
+        return [kind, message["id"], _flag(message["keep"]), _flag(message["journal"])]
+    if kind == "retrieve_many":
+        return [kind, _flag(message["keep"]), _flag(message["journal"]), *message["ids"]]
     if kind == "ack":
-        return [kind, message["id"], message["handoff_id"]]
+        return [kind, message["id"], message["handoff_id"], _flag(message["keep"])]
+    if kind == "ack_many":
+        return [kind, _flag(message["keep"]), *_pairs(message["acks"])]
+    if kind == "update":
+        dims = ["-" if message[d] is None else str(message[d]) for d in ("cols", "rows")]
+        meta = message["meta"]
+        return [kind, message["id"], *dims,
+                *([] if meta is None else _pairs(meta) if meta else ["{}"])]
     if kind == "list":
-        return [kind, "true" if message["all_owners"] else "false"]
+        return [kind, _flag(message["all_owners"])]
     if kind == "status":
         return [kind]
-    return [kind, message["id"]]
+    if kind == "release":
+        return [kind, message["id"]]
+    raise AssertionError(f"the driver cannot encode a {kind} yet: teach encode_args and "
+                         "escrow-c.c's cmd_encode")
 
 
 @pytest.mark.parametrize("name", REQUEST_VECTORS)
@@ -728,17 +881,25 @@ def test_the_c_encoder_writes_each_request_vector(build: Build, name: str) -> No
 
 @pytest.mark.parametrize("name", RESPONSE_VECTORS)
 def test_the_c_decoder_reads_each_response_vector(build: Build, name: str) -> None:
-    decoded = run_c(build, None, "decode", VECTORS[name]["frame"]).json()
+    """Every field as the vector has it, and the fds the C receive path would insist on
+    (PROTOCOL.md section 4: a handoff or deposited with a journal carries one more)."""
+    run = run_c(build, None, "decode", VECTORS[name]["frame"])
+    decoded = run.json()
     decoded.pop("escrow_code", None)  # the driver's own additions to an error
     decoded.pop("sys_errno", None)
     assert decoded == VECTORS[name]["message"]
+    assert run.lines() == [{"fds": VECTORS[name]["fds"]}]
 
 
 def test_every_request_type_and_response_type_has_a_vector() -> None:
     types = {v["message"]["type"] for v in VECTORS.values()}
-    needed = {"hello", "deposit", "retrieve", "ack", "list", "welcome", "deposited", "handoff",
-              "done", "sessions", "error"}
+    needed = {"hello", "deposit", "retrieve", "retrieve_many", "update", "ack", "ack_many",
+              "list", "welcome", "deposited", "handoff", "done", "done_many", "updated",
+              "sessions", "error"}
     assert needed <= types
+    journals = {v["message"]["type"] for v in VECTORS.values()
+                if v["message"].get("journal") not in (None, False)}
+    assert {"deposit", "deposited", "handoff"} <= journals, "a vector with a journal each"
 
 
 @pytest.mark.skipif(not (os.uname().sysname == "Linux" and os.uname().machine in (
@@ -747,10 +908,13 @@ def test_the_c_macros_build_the_documented_control_message(build: Build) -> None
     """PROTOCOL.md 4.4's byte listing (for ports without CMSG_* macros) is what the C
     macros build, and section 13's Linux constants are the C headers'."""
     layout = run_c(build, None, "cmsg").json()
-    shown = hex_bytes(dict(doc_blocks(doc_text(), "cmsg"))["linux-64"])
-    assert bytes.fromhex(layout["bytes"]) == shown
+    blocks = dict(doc_blocks(doc_text(), "cmsg"))
+    assert bytes.fromhex(layout["bytes"]) == hex_bytes(blocks["linux-64"])
+    # A handoff with a journal: the master (7), then the state file (9), in one message.
+    assert bytes.fromhex(layout["bytes_two"]) == hex_bytes(blocks["linux-64-two"])
     assert (layout["cmsg_len_4"], layout["cmsg_space_4"], layout["cmsg_space_32"]) == (
         20, 24, 48)
+    assert (layout["cmsg_len_8"], layout["cmsg_space_8"]) == (24, 24)
     assert layout["header"] == layout["data_offset"] == 16
     constants = linux_constants()
     for name in ("SOL_SOCKET", "SCM_RIGHTS", "MSG_CTRUNC", "MSG_NOSIGNAL", "MSG_CMSG_CLOEXEC",

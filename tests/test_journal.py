@@ -135,3 +135,20 @@ def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Ses
     journal.end(session)
     assert session.ring.contents() == sent[-RING:]
     assert session.ring.state.writing == session.ring.state.total == len(sent)
+
+
+@pytest.mark.parametrize("lie", ["backwards", "huge"])
+def test_a_journal_that_lies_about_its_counter_is_not_believed(session: Session,
+                                                               lie: str) -> None:
+    """The state file is writable by the app: a counter that went back (or to an absurd
+    value) is not taken; the holder goes on from its own count, with a replay it can read."""
+    writer = writer_for(session)
+    writer.record(b"x" * 1000)
+    writer.close()
+    state = session.ring.state
+    state.set_total(0 if lie == "backwards" else 1 << 63)
+    before = session.ring.total
+    journal.end(session)
+    assert session.ring.total == before
+    assert session.ring.contents() == b""
+    assert session.ring.state.total == before

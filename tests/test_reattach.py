@@ -55,6 +55,10 @@ class App:
                  f"{count} lines read by the app")
 
     def kill(self) -> None:
+        """SIGKILL, once the app has written out everything it read (it stops reading on
+        SIGUSR1), so that what it read is exactly what `read()` gives."""
+        self.proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: Path(f"{self.out}.paused").exists(), 10, "the app to pause")
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         assert self.proc.stdout is not None and self.proc.stderr is not None

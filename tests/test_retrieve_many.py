@@ -7,6 +7,7 @@ keeps serving, and no fd leaks (the `holder` fixture counts them at the end).
 from __future__ import annotations
 
 import os
+import tty
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -182,3 +183,38 @@ def test_kept_sessions_are_held_by_the_connection_and_drain_when_it_ends(
     assert retrieved.replay == b"after\r\n"
     assert retrieved.dropped_bytes == 0  # delivered bytes are not counted as dropped
     os.close(retrieved.fd)
+
+
+def test_a_custodian_the_holder_drops_keeps_its_sessions_held(
+    make_holder: Callable[..., HolderProcess], ptys: dict[str, tuple[int, int]]
+) -> None:
+    """A custody connection that retrieves and does not take the handoff in time is
+    dropped by the holder. The app is alive and still reads its other sessions: they stay
+    held (by nobody connected, while its process lives), never drained behind its back, and
+    its custody takes them back on a new connection; they drain once it hangs up."""
+    holder = make_holder("--send-deadline", "0.3")
+    client = holder.client()
+    big_master, big_slave = ptys["s0"]
+    tty.setraw(big_slave)
+    client.hand_off("big", big_master)
+    for _ in range(10):  # more than both socket buffers can take unread
+        os.write(big_slave, b"x" * 60000)
+    wait_for(lambda: any(s.id == "big" and s.buffered_bytes == 600000 for s in client.list()),
+             10, "the big replay drained")
+    mine, _ = ptys["s1"]
+    with RawClient(holder.socket, rcvbuf=4096) as raw:
+        raw.hello()
+        raw.send(protocol.Deposit(id="mine"), fd=mine)
+        assert raw.receive()[0] == protocol.Deposited(id="mine")
+        raw.send(protocol.Retrieve(id="big"))  # and never read: the send times out
+        wait_for(lambda: states(client).get("big") == "draining", 10, "the handoff put back")
+        wait_for(lambda: "dropped by the holder" in holder.logs(), 10, "the drop logged")
+        assert states(client)["mine"] == "held"
+        (info,) = [s for s in client.list() if s.id == "mine"]
+        assert info.custodian_pid == os.getpid()
+        with RawClient(holder.socket) as again:  # the app's custody, reconnected
+            again.hello()
+            again.send(protocol.Deposit(id="mine"), fd=mine)
+            assert again.receive()[0] == protocol.Deposited(id="mine")  # a resume
+            assert states(client)["mine"] == "held"
+    wait_for(lambda: states(client)["mine"] == "draining", 10, "custody ended by the app")

@@ -10,6 +10,7 @@
  * an fd left open at exit (a leak: printed as {"leaked_fds": [...]}), 99 the terminal failing
  * to give the output asked for.
  */
+#define ESCROW_FULL_CODEC /* the codec of retrieve_many, ack_many and done_many too */
 #include "escrow.c"
 
 #include <stdio.h>
@@ -17,14 +18,24 @@
 static const char usage[] =
     "usage: escrow-c [--socket PATH] [--owner OWNER] [--timeout SECONDS] COMMAND [ARG...]\n"
     "  welcome | status | list [--all] | release ID\n"
+    "  update ID COLS ROWS [META...]  COLS, ROWS: a number or - (unchanged); META: none\n"
+    "                            (unchanged), {} (empty) or KEY=VALUE...\n"
     "  hand-off ID FD [PID]      deposit the inherited FD and end custody at once\n"
     "  app ID FD PID UNTIL       deposit FD under custody, copy its output to stdout until\n"
     "                            UNTIL has appeared, then end custody\n"
     "  retrieve ID [LINES]       retrieve; write the replay to stdout, then live output\n"
     "                            until LINES more newlines (default 0)\n"
-    "  cmsg                      the control message that carries fd 7, and the constants\n"
-    "  encode TYPE ARG...        a request frame from the C encoder, in hex\n"
-    "  decode HEX                a holder's frame decoded by the C decoder, as JSON\n";
+    "  cmsg                      the control messages that carry fd 7, and fds 7 and 9,\n"
+    "                            and the constants\n"
+    "  encode TYPE ARG...        a request frame from the C encoder, in hex (BOOL: true\n"
+    "                            or false):\n"
+    "      hello OWNER CLIENT TIMEOUT | list BOOL | status | release ID\n"
+    "      deposit ID LABEL PID COLS ROWS JOURNAL [KEY=VALUE...]\n"
+    "      retrieve ID KEEP JOURNAL | retrieve_many KEEP JOURNAL ID...\n"
+    "      ack ID HANDOFF_ID KEEP | ack_many KEEP ID=HANDOFF_ID...\n"
+    "      update ID COLS ROWS [META...]   (as the update command)\n"
+    "  decode HEX                a holder's frame decoded by the C decoder, as JSON; on\n"
+    "                            stderr the fds it must come with: {\"fds\": N}\n";
 
 /* ---- JSON out ---------------------------------------------------------------------------- */
 
@@ -105,7 +116,10 @@ static void json_welcome(FILE *out, const escrow_welcome *w) {
     fputs(", \"send_deadline\": ", out), json_float(out, w->send_deadline);
     fputs(", \"ack_deadline\": ", out), json_float(out, w->ack_deadline);
     fputs(", \"limits\": ", out), json_ints(out, &w->limits);
-    fputs("}\n", out);
+    fputs(", \"features\": [", out);
+    for (size_t i = 0; i < w->n_features; i++)
+        fputs(i > 0 ? ", " : "", out), json_str(out, w->features[i]);
+    fputs("]}\n", out);
 }
 
 static void json_status(FILE *out, const escrow_status *s) {
@@ -225,8 +239,11 @@ static int cmd_retrieve(const escrow_client *c, const char *id, size_t lines) {
     if (rc != ESCROW_OK) return failed(rc, &err);
     fprintf(stderr, "{\"confirmed\": %s, \"handoff_id\": ", got.confirmed ? "true" : "false");
     json_str(stderr, got.handoff_id);
-    fprintf(stderr, ", \"dropped_bytes\": %lld, \"replay_bytes\": %zu, \"session\": ",
-            (long long)got.dropped_bytes, got.replay_len);
+    fprintf(stderr,
+            ", \"dropped_bytes\": %lld, \"replay_trimmed\": %lld, \"replay_journaled\": %lld"
+            ", \"replay_bytes\": %zu, \"session\": ",
+            (long long)got.dropped_bytes, (long long)got.replay_trimmed,
+            (long long)got.replay_journaled, got.replay_len);
     json_session(stderr, &got.session);
     fputs("}\n", stderr);
     fwrite(got.replay, 1, got.replay_len, stdout); /* the replay first, then the live fd */
@@ -240,33 +257,110 @@ static int cmd_retrieve(const escrow_client *c, const char *id, size_t lines) {
     return r == 0 ? 0 : 99;
 }
 
+/* The control message that carries `n` fds (7, then 9), in hex, built by the C macros. */
+static void print_cmsg(const char *name, int n) {
+    union {
+        struct cmsghdr align;
+        unsigned char space[CMSG_SPACE(2 * sizeof(int))];
+    } control;
+    struct msghdr msg;
+    int fds[2] = {7, 9};
+    size_t size = CMSG_SPACE((size_t)n * sizeof(int));
+    memset(&control, 0, sizeof control);
+    memset(&msg, 0, sizeof msg);
+    msg.msg_control = control.space;
+    msg.msg_controllen = size;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    memcpy(CMSG_DATA(c), fds, (size_t)n * sizeof(int));
+    printf("\"%s\": \"", name);
+    for (size_t i = 0; i < size; i++) printf("%02x", control.space[i]);
+    printf("\", ");
+}
+
 static int cmd_cmsg(void) {
     union {
         struct cmsghdr align;
         unsigned char space[CMSG_SPACE(sizeof(int))];
     } control;
     struct msghdr msg;
-    int fd = 7;
-    memset(&control, 0, sizeof control);
     memset(&msg, 0, sizeof msg);
     msg.msg_control = control.space;
     msg.msg_controllen = sizeof control.space;
     struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    printf("{\"bytes\": \"");
-    for (size_t i = 0; i < sizeof control.space; i++) printf("%02x", control.space[i]);
-    printf("\", \"header\": %zu, \"data_offset\": %zu, \"cmsg_len_4\": %zu, "
-           "\"cmsg_space_4\": %zu, \"cmsg_space_32\": %zu, \"sol_socket\": %d, "
+    printf("{");
+    print_cmsg("bytes", 1);
+    print_cmsg("bytes_two", 2);
+    printf("\"header\": %zu, \"data_offset\": %zu, \"cmsg_len_4\": %zu, "
+           "\"cmsg_space_4\": %zu, \"cmsg_len_8\": %zu, \"cmsg_space_8\": %zu, "
+           "\"cmsg_space_32\": %zu, \"sol_socket\": %d, "
            "\"scm_rights\": %d, \"msg_ctrunc\": %d, \"msg_nosignal\": %d, "
            "\"msg_cmsg_cloexec\": %d, \"sun_path\": %zu}\n",
            sizeof(struct cmsghdr), (size_t)(CMSG_DATA(c) - control.space),
            (size_t)CMSG_LEN(sizeof(int)), (size_t)CMSG_SPACE(sizeof(int)),
+           (size_t)CMSG_LEN(2 * sizeof(int)), (size_t)CMSG_SPACE(2 * sizeof(int)),
            (size_t)CMSG_SPACE(8 * sizeof(int)), SOL_SOCKET, SCM_RIGHTS, MSG_CTRUNC,
            SEND_FLAGS, RECV_FLAGS, sizeof(((struct sockaddr_un *)0)->sun_path));
     return 0;
+}
+
+/* ---- arguments ------------------------------------------------------------------------------ */
+
+static int parse_bool(const char *s, int *v) {
+    if (strcmp(s, "true") == 0) return *v = 1, 0;
+    if (strcmp(s, "false") == 0) return *v = 0, 0;
+    return -1;
+}
+
+/* A number, or "-": nil (-1). */
+static int parse_dim(const char *s, int64_t *v) {
+    char *end;
+    if (strcmp(s, "-") == 0) return *v = -1, 0;
+    errno = 0;
+    long long n = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != 0 || n < 0) return -1;
+    *v = n;
+    return 0;
+}
+
+/* KEY=VALUE arguments (split at the first '='), each pair pointing into argv. */
+static int parse_pairs(int argc, char **argv, const char **keys, const char **values,
+                       size_t max, size_t *count) {
+    *count = 0;
+    for (int i = 0; i < argc; i++) {
+        char *eq = strchr(argv[i], '=');
+        if (eq == NULL || *count == max) return -1;
+        *eq = 0;
+        keys[*count] = argv[i];
+        values[(*count)++] = eq + 1;
+    }
+    return 0;
+}
+
+static int parse_meta(int argc, char **argv, escrow_meta *meta, size_t *count) {
+    const char *keys[ESCROW_META_MAX], *values[ESCROW_META_MAX];
+    if (parse_pairs(argc, argv, keys, values, ESCROW_META_MAX, count) != 0) return -1;
+    for (size_t i = 0; i < *count; i++) meta[i] = (escrow_meta){keys[i], values[i]};
+    return 0;
+}
+
+/* update's arguments after the id: COLS ROWS [META...]. No META: nil; "{}": an empty map. */
+typedef struct update_args {
+    int64_t cols, rows;
+    escrow_meta meta[ESCROW_META_MAX];
+    size_t meta_count;
+    int meta_given;
+} update_args;
+
+static int parse_update(int argc, char **argv, update_args *u) {
+    memset(u, 0, sizeof *u);
+    if (argc < 2 || parse_dim(argv[0], &u->cols) != 0 || parse_dim(argv[1], &u->rows) != 0)
+        return -1;
+    u->meta_given = argc > 2;
+    if (argc == 3 && strcmp(argv[2], "{}") == 0) return 0;
+    return parse_meta(argc - 2, argv + 2, u->meta, &u->meta_count);
 }
 
 static int cmd_encode(int argc, char **argv) {
@@ -274,6 +368,7 @@ static int cmd_encode(int argc, char **argv) {
     escrow_error err;
     escrow_code rc = ESCROW_CONFIG;
     const char *type = argc > 0 ? argv[0] : "";
+    int keep = 0, journal = 0, bad = 0;
     if (strcmp(type, "hello") == 0 && argc == 4) {
         escrow_client c;
         memset(&c, 0, sizeof c);
@@ -281,36 +376,72 @@ static int cmd_encode(int argc, char **argv) {
         snprintf(c.client_name, sizeof c.client_name, "%s", argv[2]);
         c.timeout = atof(argv[3]);
         rc = encode_hello(&o, &c, &err);
-    } else if (strcmp(type, "deposit") == 0 && argc >= 6) {
+    } else if (strcmp(type, "deposit") == 0 && argc >= 7) {
         escrow_meta meta[ESCROW_META_MAX];
         escrow_deposit_opts opts = {argv[2], atoll(argv[3]), atoll(argv[4]), atoll(argv[5]),
                                     meta, 0};
-        for (int i = 6; i < argc && opts.meta_count < ESCROW_META_MAX; i++) {
-            char *eq = strchr(argv[i], '=');
-            if (eq == NULL) continue;
-            *eq = 0;
-            meta[opts.meta_count++] = (escrow_meta){argv[i], eq + 1};
-        }
-        rc = encode_deposit(&o, argv[1], &opts, &err);
-    } else if ((strcmp(type, "retrieve") == 0 || strcmp(type, "release") == 0) && argc == 2) {
-        rc = encode_id(&o, type, argv[1], NULL, &err);
-    } else if (strcmp(type, "ack") == 0 && argc == 3) {
-        rc = encode_id(&o, type, argv[1], argv[2], &err);
+        bad = parse_bool(argv[6], &journal) != 0 ||
+              parse_meta(argc - 7, argv + 7, meta, &opts.meta_count) != 0;
+        if (!bad) rc = encode_deposit(&o, argv[1], &opts, journal, &err);
+    } else if (strcmp(type, "release") == 0 && argc == 2) {
+        rc = encode_id(&o, type, argv[1], &err);
+    } else if (strcmp(type, "retrieve") == 0 && argc == 4) {
+        bad = parse_bool(argv[2], &keep) != 0 || parse_bool(argv[3], &journal) != 0;
+        if (!bad) rc = encode_retrieve(&o, argv[1], keep, journal, &err);
+    } else if (strcmp(type, "retrieve_many") == 0 && argc >= 4) {
+        bad = parse_bool(argv[1], &keep) != 0 || parse_bool(argv[2], &journal) != 0;
+        if (!bad)
+            rc = encode_retrieve_many(&o, (const char *const *)argv + 3, (size_t)argc - 3, keep,
+                                      journal, &err);
+    } else if (strcmp(type, "ack") == 0 && argc == 4) {
+        bad = parse_bool(argv[3], &keep) != 0;
+        if (!bad) rc = encode_ack(&o, argv[1], argv[2], keep, &err);
+    } else if (strcmp(type, "ack_many") == 0 && argc >= 3) {
+        const char **ids = calloc((size_t)argc, sizeof *ids);
+        const char **handoff_ids = calloc((size_t)argc, sizeof *handoff_ids);
+        size_t n = 0;
+        bad = ids == NULL || handoff_ids == NULL || parse_bool(argv[1], &keep) != 0 ||
+              parse_pairs(argc - 2, argv + 2, ids, handoff_ids, (size_t)argc, &n) != 0;
+        if (!bad) rc = encode_ack_many(&o, ids, handoff_ids, n, keep, &err);
+        free(ids);
+        free(handoff_ids);
+    } else if (strcmp(type, "update") == 0 && argc >= 4) {
+        update_args u;
+        bad = parse_update(argc - 2, argv + 2, &u) != 0;
+        if (!bad)
+            rc = encode_update(&o, argv[1], u.cols, u.rows, u.meta_given ? u.meta : NULL,
+                               u.meta_count, &err);
     } else if (strcmp(type, "list") == 0 && argc == 2) {
-        rc = encode_list(&o, strcmp(argv[1], "true") == 0, &err);
+        bad = parse_bool(argv[1], &keep) != 0;
+        if (!bad) rc = encode_list(&o, keep, &err);
     } else if (strcmp(type, "status") == 0 && argc == 1) {
         begin(&o, "status", 0);
         rc = finish(&o, &err);
     } else {
+        bad = 1;
+    }
+    if (bad) {
+        free(o.data);
         fputs(usage, stderr);
         return 2;
     }
     if (rc == ESCROW_OK) {
         for (size_t i = 0; i < o.len; i++) printf("%02x", o.data[i]);
         printf("\n");
+    } else {
+        failed(rc, &err);
     }
     free(o.data);
     return (int)rc;
+}
+
+static void json_journal(FILE *out, const journal_info *j) {
+    if (!j->set) {
+        fputs("null", out);
+        return;
+    }
+    fprintf(out, "{\"capacity\": %lld, \"total\": %lld, \"position\": %lld}",
+            (long long)j->capacity, (long long)j->total, (long long)j->position);
 }
 
 static int cmd_decode(const char *hex) {
@@ -337,19 +468,41 @@ static int cmd_decode(const char *hex) {
     if (r == 0 && strcmp(f.type, "welcome") == 0) {
         escrow_welcome w;
         if ((r = decode_welcome(&f, &w)) == 0) json_welcome(stdout, &w);
-    } else if (r == 0 && (strcmp(f.type, "deposited") == 0 || strcmp(f.type, "released") == 0 ||
-                          strcmp(f.type, "done") == 0)) {
+    } else if (r == 0 && (strcmp(f.type, "released") == 0 || strcmp(f.type, "done") == 0 ||
+                          strcmp(f.type, "updated") == 0)) {
         char id[ESCROW_NAME_MAX + 1];
         if ((r = decode_id(&f, id)) == 0)
             printf("{\"type\": \"%s\", \"id\": ", f.type), json_str(stdout, id), printf("}\n");
+    } else if (r == 0 && strcmp(f.type, "deposited") == 0) {
+        char id[ESCROW_NAME_MAX + 1];
+        journal_info j;
+        if ((r = decode_deposited(&f, id, &j)) == 0) {
+            printf("{\"type\": \"deposited\", \"id\": "), json_str(stdout, id);
+            printf(", \"journal\": "), json_journal(stdout, &j), printf("}\n");
+        }
+    } else if (r == 0 && strcmp(f.type, "done_many") == 0) {
+        char (*ids)[ESCROW_NAME_MAX + 1] = NULL;
+        size_t count = 0;
+        if ((r = decode_done_many(&f, &ids, &count)) == 0) {
+            printf("{\"type\": \"done_many\", \"ids\": [");
+            for (size_t i = 0; i < count; i++)
+                fputs(i > 0 ? ", " : "", stdout), json_str(stdout, ids[i]);
+            printf("]}\n");
+        }
+        free(ids);
     } else if (r == 0 && strcmp(f.type, "handoff") == 0) {
         escrow_retrieved got;
+        journal_info j;
         memset(&got, 0, sizeof got);
-        if ((r = decode_handoff(&f, &got)) == 0) {
+        if ((r = decode_handoff(&f, &got, &j)) == 0) {
             printf("{\"type\": \"handoff\", \"handoff_id\": "), json_str(stdout, got.handoff_id);
             printf(", \"session\": "), json_session(stdout, &got.session);
             printf(", \"replay\": "), json_hex(stdout, got.replay, got.replay_len);
-            printf(", \"dropped_bytes\": %lld}\n", (long long)got.dropped_bytes);
+            printf(", \"dropped_bytes\": %lld, \"replay_trimmed\": %lld, "
+                   "\"replay_journaled\": %lld, \"journal\": ",
+                   (long long)got.dropped_bytes, (long long)got.replay_trimmed,
+                   (long long)got.replay_journaled);
+            json_journal(stdout, &j), printf("}\n");
         }
         escrow_retrieved_free(&got);
     } else if (r == 0 && strcmp(f.type, "sessions") == 0) {
@@ -367,6 +520,8 @@ static int cmd_decode(const char *hex) {
     } else {
         r = -1;
     }
+    /* What recv_frame would insist on: the fds this message must come with (section 4). */
+    if (r == 0) fprintf(stderr, "{\"fds\": %zu}\n", fds_carried(&f));
     free(raw);
     if (r != 0) fprintf(stderr, "decode: not a valid %s\n", f.type[0] ? f.type : "message");
     return r == 0 ? 0 : (int)ESCROW_PROTOCOL;
@@ -421,6 +576,16 @@ static int command(int argc, char **argv) {
     if (strcmp(cmd, "release") == 0 && nargs == 1) {
         if ((rc = escrow_release(&c, args[0], &err)) != ESCROW_OK) return failed(rc, &err);
         return 0;
+    }
+    if (strcmp(cmd, "update") == 0 && nargs >= 3) {
+        update_args u;
+        if (parse_update(nargs - 1, args + 1, &u) != 0) {
+            fputs(usage, stderr);
+            return 2;
+        }
+        rc = escrow_update(&c, args[0], u.cols, u.rows, u.meta_given ? u.meta : NULL,
+                           u.meta_count, &err);
+        return rc == ESCROW_OK ? 0 : failed(rc, &err);
     }
     if (strcmp(cmd, "hand-off") == 0 && (nargs == 2 || nargs == 3)) {
         escrow_deposit_opts opts = opts_for(nargs, args, 2);

@@ -45,8 +45,10 @@
 
 #ifdef __GNUC__
 #define PRINTF_LIKE(f, a) __attribute__((format(printf, f, a)))
+#define MAYBE_UNUSED __attribute__((unused)) /* ESCROW_FULL_CODEC's: the API calls none */
 #else
 #define PRINTF_LIKE(f, a)
+#define MAYBE_UNUSED
 #endif
 
 /* ---- 1. errors and deadlines ---------------------------------------------------------- */
@@ -168,6 +170,14 @@ static void mp_map(mp_out *o, uint32_t n) {
     else if (n <= 0xffff) put_be(o, 0xde, n, 2);
     else put_be(o, 0xdf, n, 4);
 }
+
+#ifdef ESCROW_FULL_CODEC /* only retrieve_many sends an array (section 5 below) */
+static void mp_array(mp_out *o, uint32_t n) {
+    if (n < 16) put_byte(o, 0x90 | n);
+    else if (n <= 0xffff) put_be(o, 0xdc, n, 2);
+    else put_be(o, 0xdd, n, 4);
+}
+#endif
 
 static void mp_str(mp_out *o, const char *s) {
     size_t n = strlen(s);
@@ -661,9 +671,11 @@ static escrow_code read_exactly(int sock, unsigned char *buf, size_t n, frame *f
 }
 
 static int frame_type(const unsigned char *body, size_t len, char type[16]);
+static size_t fds_carried(const frame *f);
 
 /* One whole frame, checked: a sane length, no MSG_CTRUNC, a body that is a message, and
- * exactly the fds its type carries. On any failure every fd that came with it is closed. */
+ * exactly the fds the message carries (section 4's table: it depends on `journal` in a
+ * handoff or a deposited). On any failure every fd that came with it is closed. */
 static escrow_code recv_frame(int sock, double deadline, frame *f, escrow_error *err) {
     unsigned char header[4];
     int truncated = 0;
@@ -686,7 +698,7 @@ static escrow_code recv_frame(int sock, double deadline, frame *f, escrow_error 
     if (rc == ESCROW_OK && frame_type(f->body, f->len, f->type) != 0)
         rc = fail(err, ESCROW_PROTOCOL, 0, NULL, "the holder sent a frame that is not a message");
     if (rc == ESCROW_OK) {
-        size_t wanted = strcmp(f->type, "handoff") == 0 ? 1 : 0;
+        size_t wanted = fds_carried(f);
         if (f->nfds != wanted)
             rc = fail(err, ESCROW_PROTOCOL, 0, NULL, "a %s frame came with %zu fds, not %zu",
                       f->type, f->nfds, wanted);
@@ -774,11 +786,21 @@ static escrow_code encode_hello(mp_out *o, const escrow_client *c, escrow_error 
     return finish(o, err);
 }
 
+/* Every request writes `type`, then every field of section 7 in that table's order, defaults
+ * included: the bytes of the reference encoder and of the test vectors. */
+
+static void put_meta(mp_out *o, const escrow_meta *meta, size_t count) {
+    mp_map(o, (uint32_t)count);
+    for (size_t i = 0; i < count; i++) mp_str(o, meta[i].key), mp_str(o, meta[i].value);
+}
+
+/* `journal`: ask to record into the ring (section 10.6). The API never asks (escrow_deposit
+ * passes 0); the codec writes either, for the test vectors. */
 static escrow_code encode_deposit(mp_out *o, const char *id, const escrow_deposit_opts *opts,
-                                  escrow_error *err) {
+                                  int journal, escrow_error *err) {
     static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0};
     if (opts == NULL) opts = &none;
-    begin(o, "deposit", 6);
+    begin(o, "deposit", 7);
     mp_str(o, "id"), mp_str(o, id);
     mp_str(o, "label"), mp_str(o, opts->label != NULL ? opts->label : "");
     mp_str(o, "child_pid");
@@ -786,20 +808,83 @@ static escrow_code encode_deposit(mp_out *o, const char *id, const escrow_deposi
     else mp_nil(o); /* no pid is nil, never 0 */
     mp_str(o, "cols"), mp_int(o, opts->cols);
     mp_str(o, "rows"), mp_int(o, opts->rows);
-    mp_str(o, "meta"), mp_map(o, (uint32_t)opts->meta_count);
-    for (size_t i = 0; i < opts->meta_count; i++)
-        mp_str(o, opts->meta[i].key), mp_str(o, opts->meta[i].value);
+    mp_str(o, "meta"), put_meta(o, opts->meta, opts->meta_count);
+    mp_str(o, "journal"), mp_bool(o, journal);
     return finish(o, err);
 }
 
-/* release, retrieve, done-style requests with one field, and ack with two. */
-static escrow_code encode_id(mp_out *o, const char *type, const char *id,
-                             const char *handoff_id, escrow_error *err) {
-    begin(o, type, handoff_id != NULL ? 2 : 1);
+/* release: {id}. */
+static escrow_code encode_id(mp_out *o, const char *type, const char *id, escrow_error *err) {
+    begin(o, type, 1);
     mp_str(o, "id"), mp_str(o, id);
-    if (handoff_id != NULL) mp_str(o, "handoff_id"), mp_str(o, handoff_id);
     return finish(o, err);
 }
+
+/* `keep`: retrieve into custody (section 12.6); `journal` only with it. */
+static escrow_code encode_retrieve(mp_out *o, const char *id, int keep, int journal,
+                                   escrow_error *err) {
+    begin(o, "retrieve", 3);
+    mp_str(o, "id"), mp_str(o, id);
+    mp_str(o, "keep"), mp_bool(o, keep);
+    mp_str(o, "journal"), mp_bool(o, journal);
+    return finish(o, err);
+}
+
+/* `keep` repeats the retrieve's (section 12.6). */
+static escrow_code encode_ack(mp_out *o, const char *id, const char *handoff_id, int keep,
+                              escrow_error *err) {
+    begin(o, "ack", 3);
+    mp_str(o, "id"), mp_str(o, id);
+    mp_str(o, "handoff_id"), mp_str(o, handoff_id);
+    mp_str(o, "keep"), mp_bool(o, keep);
+    return finish(o, err);
+}
+
+/* update (section 10.5): cols or rows < 0, or meta NULL, is nil: unchanged. A meta that is
+ * given (even with no entries) replaces the whole map. */
+static escrow_code encode_update(mp_out *o, const char *id, int64_t cols, int64_t rows,
+                                 const escrow_meta *meta, size_t meta_count,
+                                 escrow_error *err) {
+    begin(o, "update", 4);
+    mp_str(o, "id"), mp_str(o, id);
+    mp_str(o, "cols");
+    if (cols >= 0) mp_int(o, cols);
+    else mp_nil(o);
+    mp_str(o, "rows");
+    if (rows >= 0) mp_int(o, rows);
+    else mp_nil(o);
+    mp_str(o, "meta");
+    if (meta != NULL) put_meta(o, meta, meta_count);
+    else mp_nil(o);
+    return finish(o, err);
+}
+
+#ifdef ESCROW_FULL_CODEC
+/* Messages the API neither sends nor receives (it offers no retrieve_many), written out for
+ * ports and checked against the test vectors: escrow-c.c defines ESCROW_FULL_CODEC. */
+
+static escrow_code MAYBE_UNUSED
+encode_retrieve_many(mp_out *o, const char *const *ids, size_t count, int keep, int journal,
+                     escrow_error *err) {
+    begin(o, "retrieve_many", 3);
+    mp_str(o, "ids"), mp_array(o, (uint32_t)count);
+    for (size_t i = 0; i < count; i++) mp_str(o, ids[i]);
+    mp_str(o, "keep"), mp_bool(o, keep);
+    mp_str(o, "journal"), mp_bool(o, journal);
+    return finish(o, err);
+}
+
+/* acks: ids[i] -> handoff_ids[i], in this order (the holder answers done_many in it). */
+static escrow_code MAYBE_UNUSED
+encode_ack_many(mp_out *o, const char *const *ids, const char *const *handoff_ids, size_t count,
+                int keep, escrow_error *err) {
+    begin(o, "ack_many", 2);
+    mp_str(o, "acks"), mp_map(o, (uint32_t)count);
+    for (size_t i = 0; i < count; i++) mp_str(o, ids[i]), mp_str(o, handoff_ids[i]);
+    mp_str(o, "keep"), mp_bool(o, keep);
+    return finish(o, err);
+}
+#endif
 
 static escrow_code encode_list(mp_out *o, int all_owners, escrow_error *err) {
     begin(o, "list", 1);
@@ -827,6 +912,31 @@ static int frame_type(const unsigned char *body, size_t len, char type[16]) {
         type[vl] = 0;
     }
     return in.p == in.end && type[0] != 0 ? 0 : -1; /* nothing may follow the one value */
+}
+
+/* Does the body's `journal` field hold a value (not nil)? The last of repeated keys counts. */
+static int has_journal(const frame *f) {
+    mp_in in = {f->body, f->body + f->len};
+    size_t n;
+    int set = 0;
+    if (rd_map(&in, &n) != 0) return 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *k;
+        size_t kl;
+        if (rd_str(&in, &k, &kl) != 0) return 0;
+        if (key_is(k, kl, "journal")) set = peek(&in) != 0xc0;
+        if (rd_skip(&in, 0) != 0) return 0;
+    }
+    return set;
+}
+
+/* How many fds a holder's message comes with (section 4): the master of a handoff, and the
+ * state file of a granted journal (a handoff's second fd, a deposited's only one). A journal
+ * of the wrong shape is counted as set; the frame then fails to decode. */
+static size_t fds_carried(const frame *f) {
+    if (strcmp(f->type, "handoff") == 0) return 1 + (size_t)has_journal(f);
+    if (strcmp(f->type, "deposited") == 0) return (size_t)has_journal(f);
+    return 0;
 }
 
 /* Each decoder below walks its map once: a known key is read with its strict type, any
@@ -934,6 +1044,22 @@ static int rd_session(mp_in *in, escrow_session *s) {
     return need == 0 ? 0 : -1;
 }
 
+/* welcome.features: a list of str, an open set (section 6.1). */
+static int rd_features(mp_in *in, escrow_welcome *w) {
+    size_t n;
+    w->n_features = 0;
+    if (rd_array(in, &n) != 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *s;
+        size_t len;
+        if (rd_str(in, &s, &len) != 0) return -1;
+        if (w->n_features < ESCROW_FEATURES_MAX &&
+            copy_exact(w->features[w->n_features], sizeof w->features[0], s, len) == 0)
+            w->n_features++;
+    }
+    return 0;
+}
+
 static int decode_welcome(const frame *f, escrow_welcome *w) {
     enum { VERSION = 1, HOLDER = 2, PID = 4, BUDGET = 8, SEND = 16, ACK = 32 };
     unsigned need = VERSION | HOLDER | PID | BUDGET | SEND | ACK;
@@ -956,6 +1082,7 @@ static int decode_welcome(const frame *f, escrow_welcome *w) {
             r = rd_float(&in, &w->send_deadline), need &= ~SEND;
         else if (key_is(k, kl, "ack_deadline")) r = rd_float(&in, &w->ack_deadline), need &= ~ACK;
         else if (key_is(k, kl, "limits")) r = rd_ints(&in, &w->limits);
+        else if (key_is(k, kl, "features")) r = rd_features(&in, w);
         else r = rd_skip(&in, 0);
         if (r != 0) return -1;
     }
@@ -991,11 +1118,61 @@ static int rd_replay(mp_in *in, escrow_retrieved *r) {
     return 0;
 }
 
-static int decode_handoff(const frame *f, escrow_retrieved *out) {
+/* A Journal (section 10.6) | nil: where an app that journals writes. The API asks for none,
+ * so it only reads one (and closes the state file that comes with it). */
+typedef struct journal_info {
+    int set; /* 0: nil */
+    int64_t capacity, total, position;
+} journal_info;
+
+static int rd_journal(mp_in *in, journal_info *j) {
+    enum { CAPACITY = 1, TOTAL = 2, POSITION = 4 };
+    unsigned need = CAPACITY | TOTAL | POSITION;
+    size_t n;
+    memset(j, 0, sizeof *j);
+    if (rd_nil(in)) return 0;
+    if (rd_map(in, &n) != 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *k;
+        size_t kl;
+        int r;
+        if (rd_str(in, &k, &kl) != 0) return -1;
+        if (key_is(k, kl, "capacity")) r = rd_int(in, &j->capacity), need &= ~CAPACITY;
+        else if (key_is(k, kl, "total")) r = rd_int(in, &j->total), need &= ~TOTAL;
+        else if (key_is(k, kl, "position")) r = rd_int(in, &j->position), need &= ~POSITION;
+        else r = rd_skip(in, 0);
+        if (r != 0) return -1;
+    }
+    j->set = 1;
+    return need == 0 ? 0 : -1;
+}
+
+/* deposited: {id, journal}. */
+static int decode_deposited(const frame *f, char id[ESCROW_NAME_MAX + 1], journal_info *j) {
+    mp_in in = {f->body, f->body + f->len};
+    size_t n;
+    int have = 0;
+    memset(j, 0, sizeof *j);
+    if (rd_map(&in, &n) != 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *k;
+        size_t kl;
+        int r;
+        if (rd_str(&in, &k, &kl) != 0) return -1;
+        if (key_is(k, kl, "id")) r = rd_exact(&in, id, ESCROW_NAME_MAX + 1), have = 1;
+        else if (key_is(k, kl, "journal")) r = rd_journal(&in, j);
+        else r = rd_skip(&in, 0);
+        if (r != 0) return -1;
+    }
+    return have ? 0 : -1;
+}
+
+static int decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j) {
     enum { HANDOFF_ID = 1, SESSION = 2, REPLAY = 4 };
     unsigned need = HANDOFF_ID | SESSION | REPLAY;
     mp_in in = {f->body, f->body + f->len};
     size_t n;
+    memset(j, 0, sizeof *j);
     if (rd_map(&in, &n) != 0) return -1;
     for (size_t i = 0; i < n; i++) {
         const char *k;
@@ -1009,11 +1186,47 @@ static int decode_handoff(const frame *f, escrow_retrieved *out) {
             need &= ~SESSION;
         else if (key_is(k, kl, "replay")) r = rd_replay(&in, out), need &= ~REPLAY;
         else if (key_is(k, kl, "dropped_bytes")) r = rd_int(&in, &out->dropped_bytes);
+        else if (key_is(k, kl, "replay_trimmed")) r = rd_int(&in, &out->replay_trimmed);
+        else if (key_is(k, kl, "replay_journaled")) r = rd_int(&in, &out->replay_journaled);
+        else if (key_is(k, kl, "journal")) r = rd_journal(&in, j);
         else r = rd_skip(&in, 0);
         if (r != 0) return -1;
     }
     return need == 0 ? 0 : -1;
 }
+
+#ifdef ESCROW_FULL_CODEC
+/* done_many: {ids}, the sessions an ack_many acked, as an array the caller frees (whatever
+ * the result). */
+static int MAYBE_UNUSED
+decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1], size_t *count) {
+    mp_in in = {f->body, f->body + f->len};
+    size_t n;
+    int have = 0;
+    *ids = NULL;
+    *count = 0;
+    if (rd_map(&in, &n) != 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *k;
+        size_t kl, m;
+        if (rd_str(&in, &k, &kl) != 0) return -1;
+        if (!key_is(k, kl, "ids")) {
+            if (rd_skip(&in, 0) != 0) return -1;
+            continue;
+        }
+        free(*ids);
+        *ids = NULL;
+        *count = 0;
+        have = 1;
+        /* Every id takes at least one byte: a bound before the allocation. */
+        if (rd_array(&in, &m) != 0 || m > (size_t)(in.end - in.p)) return -1;
+        if ((*ids = calloc(m != 0 ? m : 1, sizeof **ids)) == NULL) return -1;
+        for (; *count < m; (*count)++)
+            if (rd_exact(&in, (*ids)[*count], sizeof **ids) != 0) return -1;
+    }
+    return have ? 0 : -1;
+}
+#endif
 
 static int rd_sessions(mp_in *in, escrow_session **out, size_t *count) {
     size_t n;
@@ -1213,11 +1426,17 @@ int escrow_ints_get(const escrow_ints *m, const char *key, int64_t *value) {
     return 0;
 }
 
+int escrow_has_feature(const escrow_welcome *w, const char *name) {
+    for (size_t i = 0; i < w->n_features; i++)
+        if (strcmp(w->features[i], name) == 0) return 1;
+    return 0;
+}
+
 escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escrow_error *err) {
     return connect_greet(c, cu, now() + c->timeout, err);
 }
 
-/* A call with one {id} answer on a greeted connection: deposit, release. */
+/* A call with one {id} answer on a greeted connection: release, update. */
 static escrow_code id_call(conn *c, mp_out *o, int fd, const char *want, const char *id,
                            escrow_error *err) {
     frame f;
@@ -1233,20 +1452,47 @@ static escrow_code id_call(conn *c, mp_out *o, int fd, const char *want, const c
 escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err) {
     mp_out o = {0};
+    frame f;
     if (cu->sock < 0) return fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
-    escrow_code rc = encode_deposit(&o, id, opts, err);
-    if (rc == ESCROW_OK) rc = id_call(cu, &o, fd, "deposited", id, err);
+    escrow_code rc = encode_deposit(&o, id, opts, 0, err); /* no journal: section 10.6 */
+    if (rc == ESCROW_OK) rc = call(cu, &o, fd, "deposited", now() + cu->client->timeout, &f, err);
     free(o.data);
+    if (rc != ESCROW_OK) return rc;
+    char got[ESCROW_NAME_MAX + 1];
+    journal_info journal;
+    if (decode_deposited(&f, got, &journal) != 0)
+        rc = fail(err, ESCROW_PROTOCOL, 0, id, "a malformed deposited");
+    /* A state file comes only with a journal, which this client never asks for; the one a
+     * holder may still send (resuming a session that journals, section 10.4) is closed
+     * with the frame: this client never writes a journal. */
+    frame_free(&f);
     return rc;
 }
 
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err) {
     mp_out o = {0};
     if (cu->sock < 0) return fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
-    escrow_code rc = encode_id(&o, "release", id, NULL, err);
+    escrow_code rc = encode_id(&o, "release", id, err);
     if (rc == ESCROW_OK) rc = id_call(cu, &o, -1, "released", id, err);
     free(o.data);
     return rc;
+}
+
+/* update (section 10.5) on a greeted connection: {id} answered `updated{id}`. */
+static escrow_code update_on(conn *c, const char *id, int64_t cols, int64_t rows,
+                             const escrow_meta *meta, size_t meta_count, escrow_error *err) {
+    mp_out o = {0};
+    escrow_code rc = encode_update(&o, id, cols, rows, meta, meta_count, err);
+    if (rc == ESCROW_OK) rc = id_call(c, &o, -1, "updated", id, err);
+    free(o.data);
+    return rc;
+}
+
+escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t cols, int64_t rows,
+                                  const escrow_meta *meta, size_t meta_count,
+                                  escrow_error *err) {
+    if (cu->sock < 0) return fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
+    return update_on(cu, id, cols, rows, meta, meta_count, err);
 }
 
 void escrow_custody_close(escrow_custody *cu) {
@@ -1335,9 +1581,19 @@ escrow_code escrow_release(const escrow_client *c, const char *id, escrow_error 
     conn cn;
     escrow_code rc = connect_greet(c, &cn, now() + c->timeout, err);
     if (rc != ESCROW_OK) return rc;
-    rc = encode_id(&o, "release", id, NULL, err);
+    rc = encode_id(&o, "release", id, err);
     if (rc == ESCROW_OK) rc = id_call(&cn, &o, -1, "released", id, err);
     free(o.data);
+    conn_close(&cn);
+    return rc;
+}
+
+escrow_code escrow_update(const escrow_client *c, const char *id, int64_t cols, int64_t rows,
+                          const escrow_meta *meta, size_t meta_count, escrow_error *err) {
+    conn cn;
+    escrow_code rc = connect_greet(c, &cn, now() + c->timeout, err);
+    if (rc != ESCROW_OK) return rc;
+    rc = update_on(&cn, id, cols, rows, meta, meta_count, err);
     conn_close(&cn);
     return rc;
 }
@@ -1433,7 +1689,7 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
         conn_close(&cn);
         return fail(err, ESCROW_UNRESPONSIVE, 0, id, "not enough time left to retrieve %s", id);
     }
-    rc = encode_id(&o, "retrieve", id, NULL, err);
+    rc = encode_retrieve(&o, id, 0, 0, err); /* no keep, no journal: section 12.2 */
     if (rc == ESCROW_OK) rc = call(&cn, &o, -1, "handoff", deadline, &f, err);
     free(o.data);
     if (rc != ESCROW_OK) {
@@ -1441,14 +1697,17 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
         if (err != NULL && err->id[0] == 0) snprintf(err->id, sizeof err->id, "%s", id);
         return rc;
     }
-    if (decode_handoff(&f, out) != 0) {
-        frame_free(&f); /* closes the fd: never acked, the holder drains it again */
+    journal_info journal;
+    if (decode_handoff(&f, out, &journal) != 0) {
+        frame_free(&f); /* closes the fds: never acked, the holder drains it again */
         escrow_retrieved_free(out);
         conn_close(&cn);
         return fail(err, ESCROW_PROTOCOL, 0, id, "the holder sent a malformed handoff");
     }
+    /* The master is the first fd (section 4.3). A second, the state file of a journal, comes
+     * only to a retrieve with keep and journal, which this one is not: frame_free closes it. */
     out->fd = f.fds[0];
-    f.nfds = 0; /* the fd is out's now */
+    f.fds[0] = f.fds[--f.nfds]; /* the master is out's now; the rest stay the frame's */
     frame_free(&f);
     if (!isatty(out->fd)) { /* do not ack: the holder drains it again when we hang up */
         give_back(out);
@@ -1456,7 +1715,7 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
         return fail(err, ESCROW_PROTOCOL, 0, id, "the holder handed off %s as a non-terminal", id);
     }
     /* Ack, and read nothing from the fd before `done`: ownership moves at `done`. */
-    rc = encode_id(&o, "ack", id, out->handoff_id, err);
+    rc = encode_ack(&o, id, out->handoff_id, 0, err);
     if (rc == ESCROW_OK) rc = call(&cn, &o, -1, "done", deadline, &f, err);
     free(o.data);
     conn_close(&cn);

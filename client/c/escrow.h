@@ -7,7 +7,8 @@
  * - has a deadline: `timeout` seconds from the call's start (connect, hello and every frame
  *   inside it), and never blocks past it (poll, on non-blocking sockets);
  * - closes every fd it opened or received, on every path, except the fds it hands to the
- *   caller (escrow_retrieved.fd), and never closes the caller's fds;
+ *   caller (escrow_retrieved.fd), and never closes the caller's fds. It never asks for a
+ *   journal (PROTOCOL.md 10.6), so it takes no state file: one that comes anyway is closed;
  * - returns an escrow_code, and fills `err` (when not NULL) with the code's name, a message
  *   and the session id the error is about.
  * Nothing here is thread-safe beyond this: different escrow_custody objects may be used from
@@ -28,6 +29,7 @@
 #define ESCROW_HANDOFF_ID_MAX 64
 #define ESCROW_META_MAX 32          /* entries */
 #define ESCROW_INTS_MAX 32          /* entries kept from a map of ints; more are ignored */
+#define ESCROW_FEATURES_MAX 16      /* names kept from welcome.features; more are ignored */
 
 typedef enum escrow_code {
     ESCROW_OK = 0,
@@ -83,6 +85,11 @@ typedef struct escrow_welcome {
     int64_t pid;
     double drain_stop_budget, send_deadline, ack_deadline;
     escrow_ints limits;
+    /* What the holder has beyond the first version-1 holders (PROTOCOL.md 6.1), an open set:
+     * "keep", "retrieve_many", "journal", "update", ... in the order sent; none from an older
+     * holder. Names over 32 bytes are left out. escrow_has_feature asks for one. */
+    char features[ESCROW_FEATURES_MAX][33];
+    size_t n_features;
 } escrow_welcome;
 
 typedef struct escrow_session {
@@ -143,6 +150,9 @@ typedef struct escrow_retrieved {
     unsigned char *replay;              /* write it to the screen before reading fd */
     size_t replay_len;
     int64_t dropped_bytes;              /* lost off the front of replay */
+    int64_t replay_trimmed;             /* then cut after them, so replay starts cleanly
+                                           (section 12.2 step 5); 0 unless dropped_bytes */
+    int64_t replay_journaled;           /* how many bytes of replay an app recorded */
     char handoff_id[ESCROW_HANDOFF_ID_MAX + 1];
     int confirmed;                      /* 1: the holder said `done` (or `list` proved it) */
 } escrow_retrieved;
@@ -163,6 +173,15 @@ escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escr
 escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err);
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err);
+/* Tell the holder a session's window size or meta changed (PROTOCOL.md 10.5), after setting
+ * it on the terminal (TIOCSWINSZ) yourself. cols or rows < 0: unchanged; meta NULL:
+ * unchanged, else the meta_count entries replace the whole map (none: an empty map). Any
+ * connection of the owner may update any live session; escrow_update uses a fresh one.
+ * A holder without "update" in its welcome.features (section 6.1) answers
+ * ESCROW_BAD_REQUEST with err->id "", and changes nothing. */
+escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t cols, int64_t rows,
+                                  const escrow_meta *meta, size_t meta_count,
+                                  escrow_error *err);
 /* End custody: shut down our side and wait (within the timeout) for the holder to close its
  * side, by when every session held here is draining. The app must not read those fds again. */
 void escrow_custody_close(escrow_custody *cu);
@@ -194,6 +213,9 @@ void escrow_sessions_free(escrow_session *sessions, size_t count);
 void escrow_session_clear(escrow_session *s);
 escrow_code escrow_status_of(const escrow_client *c, escrow_status *out, escrow_error *err);
 escrow_code escrow_release(const escrow_client *c, const char *id, escrow_error *err);
+escrow_code escrow_update(const escrow_client *c, const char *id, int64_t cols, int64_t rows,
+                          const escrow_meta *meta, size_t meta_count, escrow_error *err);
 int escrow_ints_get(const escrow_ints *m, const char *key, int64_t *value);
+int escrow_has_feature(const escrow_welcome *w, const char *name);
 
 #endif
