@@ -59,6 +59,9 @@ class Retrieved:
     # custody takes these over).
     journal: protocol.Journal | None = None
     journal_fd: int | None = None
+    # A retrieve into custody that ended with the holder holding no copy (it restarted
+    # meanwhile): the custody deposits it again.
+    deposit_again: bool = field(default=False, repr=False)
 
     def repaint(self) -> None:
         """Make the program on the terminal redraw its screen (see `escrow_client.repaint`)."""
@@ -334,33 +337,37 @@ class EscrowClient:
             got[sid].confirmed = True
 
     def _resolve_kept(self, result: Retrieved) -> Retrieved:
-        """`done` never came for a retrieve into custody, and the custody connection is
-        gone with it. The session is ours only if the holder has it held for this process
-        (the holder took the ack and restarted: a custody that reconnects resumes it).
-        Otherwise it is escrowed still (or again): our copy is closed."""
+        """`done` never came for a retrieve into custody. Ask the holder (again and again,
+        within the timeout) who has the session:
+        - held for this process: ours (a custody that reconnects resumes it);
+        - our handoff, still under way: acked again on a fresh connection (a holder that
+          restarted completes it; the session is then ours alone, and the custody deposits
+          it again, with a journal of its own if one was asked);
+        - unknown to it, released or expired: the holder has no copy; ours is the only
+          one, kept (the custody deposits it again);
+        - anything else (draining again, another's): our copy is closed.
+        If it cannot be asked at all, our copy is closed: the session may be draining."""
         sid = result.session.id
         deadline = Deadline(self.timeout)
+        asked, info = False, None
         while True:
             try:
                 with self._channel(deadline, use_breaker=False) as channel:
                     reply, _ = channel.call(protocol.List(), deadline)
                 assert isinstance(reply, protocol.Sessions)
+                asked = True
                 info = next((s for s in reply.sessions if s.id == sid), None)
             except errors.EscrowError:
-                info = None
-            if (info is None or info.state != "handing_off"
-                    or info.handoff_id != result.handoff_id or deadline.remaining() < 0.02):
+                asked, info = False, None
+            ours_under_way = (info is not None and info.state == "handing_off"
+                              and info.handoff_id == result.handoff_id)
+            if (asked and not ours_under_way) or deadline.remaining() < 0.05:
                 break
-            # Ours, still under way: a holder that restarted (and adopted it) completes it
-            # on an ack sent now (then the session is ours alone, out of escrow, and the
-            # custody deposits it again, with a journal of its own if one was asked);
-            # one still acting on our connection's end answers `busy`: ask again.
-            if self._ack_again(result, deadline):
-                if result.journal_fd is not None:
-                    os.close(result.journal_fd)
-                result.journal, result.journal_fd = None, None
-                return result
-            time.sleep(0.02)
+            if ours_under_way and self._ack_again(result, deadline):
+                return self._alone(result)
+            time.sleep(0.05)
+        if asked and (info is None or info.state in ("released", "expired")):
+            return self._alone(result)
         if info is not None and info.state == "held" and info.custodian_pid == os.getpid():
             result.confirmed = True
             return result
@@ -368,6 +375,16 @@ class EscrowClient:
         raise errors.HolderUnresponsive(
             f"retrieving {sid} into custody was not confirmed; it is still escrowed "
             f"({info.state if info else 'state unknown'}): retrieve it again", sid)
+
+    @staticmethod
+    def _alone(result: Retrieved) -> Retrieved:
+        """The holder has no copy left: the session is ours alone, out of escrow (and of
+        any journal the handoff offered)."""
+        if result.journal_fd is not None:
+            os.close(result.journal_fd)
+        result.journal, result.journal_fd = None, None
+        result.confirmed = result.deposit_again = True
+        return result
 
     def _resolve(self, result: Retrieved) -> Retrieved:
         """`done` never came: ask on a fresh connection who owns the fd (DESIGN §4 step 8).

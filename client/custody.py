@@ -317,6 +317,12 @@ class Custody:
                 except JournalError:
                     pass
             self._kept[sid] = kept
+            if result.deposit_again:
+                try:
+                    reply, fds = self._call(deposit, kept.fd)
+                    self._set_journal(kept, reply, fds)
+                except errors.EscrowError:
+                    pass  # not protected now; the watcher deposits it when it reconnects
 
     def _wake(self, why: bytes) -> None:
         try:

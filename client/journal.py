@@ -150,7 +150,17 @@ class JournalWriter:
         """`close`, in a forked child: the lock may have been held by a thread of the
         parent, which does not exist here."""
         self._lock = threading.Lock()
-        self.close()
+        try:
+            self.close()
+        except BufferError:
+            # A thread of the parent was inside `read` at the fork: its buffer export came
+            # along and the mapping cannot be unmapped here. Forget it (it goes with this
+            # process); the fd is closed all the same.
+            self._data = self._counters = None
+            self.__dict__.pop("_mm", None)
+            if getattr(self, "fd", -1) >= 0:
+                fd, self.fd = self.fd, -1
+                os.close(fd)
 
     def close(self) -> None:
         """Stop writing and unmap (idempotent)."""

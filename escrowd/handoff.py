@@ -89,6 +89,7 @@ async def retrieve(
             session = await _claim(conn, sid, registry)
             if session is not None:
                 claims.append(_Claim(session, session.state))
+                session.unsent = session.state  # recorded until its own send (step 3)
                 session.handoff_id = uuid.uuid4().hex  # visible in `list` while under way
                 session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if we die now
                 session.set_state("handing_off", f"retrieve handoff_id={session.handoff_id} "
@@ -202,6 +203,8 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
     """The `handoff` message for a claimed session, and the fds it carries. Takes the fd
     out of the event loop."""
     session, ring = claim.session, claim.session.ring
+    session.unsent = None
+    session.persist()  # handing_off, recorded before the fd can leave
     session.leave_event_loop()
     info = session.info()
     info.state = claim.prior  # type: ignore[assignment]
@@ -265,6 +268,7 @@ def _put_back(
     """Undo a handoff that did not complete: same fd, same ring, a fresh drain."""
     if session.fd < 0 or session.state != "handing_off":
         return
+    session.unsent = None
     registry.handoffs_failed += 1
     session.handoff_id = session.handoff_peer_pid = None
     if prior == "exited":

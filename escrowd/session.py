@@ -97,6 +97,8 @@ class Session:
 
     def _init_runtime(self) -> None:
         """What lives only in this process: the drain task, its poller, a custody watch."""
+        # handing_off, but its fd not sent yet: the state recorded meanwhile (see persist).
+        self.unsent: str | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._drain_done: trio.Event | None = None
         self._poller: select.poll | None = None  # POLLIN on fd, made once per fd
@@ -145,13 +147,18 @@ class Session:
             return  # closed: its state file is gone with it
         # Bounded, so that a record always fits its slot (the oldest spots go first).
         del self.gap_totals[:-_MAX_SPOTS], self.journal_ranges[:-_MAX_SPOTS]
+        state, handoff_id, handoff_peer_pid = self.state, self.handoff_id, self.handoff_peer_pid
+        if self.unsent is not None:
+            # Claimed by a retrieve whose fd has not left yet: a holder that adopts this
+            # file must drain it, not wait for an ack that cannot come.
+            state, handoff_id, handoff_peer_pid = self.unsent, None, None
         self.ring.state.write(Record(
             token=self.token, owner=self.owner, id=self.id, label=self.label,
             child_pid=self.child_pid, child_start_time=self.child_start_time,
-            cols=self.cols, rows=self.rows, meta=self.meta, state=self.state,
+            cols=self.cols, rows=self.rows, meta=self.meta, state=state,
             deposited_at=self.deposited_at, state_since=self.state_since,
             custodian_pid=self.custodian_pid, custodian_start_time=self.custodian_start_time,
-            handoff_id=self.handoff_id, handoff_peer_pid=self.handoff_peer_pid,
+            handoff_id=handoff_id, handoff_peer_pid=handoff_peer_pid,
             saved_flags=self._saved_flags,
             gap_totals=self.gap_totals, instance=self.instance, clean=clean,
             journal_from=self.journal_from, journal_ranges=self.journal_ranges,

@@ -247,3 +247,46 @@ async def test_a_hang_up_seen_while_handing_off_leaves_the_state_to_the_handoff(
             assert session.ring.contents() == tail
             await session.stop_drain()
         session.close()
+
+
+async def test_a_batch_records_each_handoff_only_as_its_fd_leaves() -> None:
+    """Found in review: a holder killed in the middle of a `retrieve_many` left every
+    claimed session recorded `handing_off`, and the next holder waited for acks (while the
+    app lived) for fds that had never been sent: unread terminals. Each session's state
+    file says `handing_off` only from just before its own fd goes; until then a holder
+    adopting it drains it."""
+    registry = Registry(max_sessions=8, ring_bytes=1 << 16, total_ring_bytes=1 << 30,
+                        max_tombstones=8)
+    ptys = [os.openpty() for _ in range(3)]
+    sessions = []
+    for i, (master, _) in enumerate(ptys):
+        s = Session(OWNER, protocol.Deposit(id=f"s{i}"), os.dup(master), registry.new_ring(),
+                    custodian=None, custodian_pid=None, child_start_time=None)
+        registry.add(s)
+        sessions.append(s)
+    recorded: list[list[str]] = []  # the states on file as each handoff is sent
+
+    class Watching(RecordingConnection):
+        async def send(self, message: protocol.Message, fd: object = None) -> None:
+            if isinstance(message, protocol.Handoff):
+                recorded.append([s.ring.state.record().state for s in sessions])  # type: ignore[union-attr]
+            await super().send(message, None)
+
+    async def ack_all(conn: RecordingConnection) -> protocol.Request:
+        return protocol.AckMany(acks={m.session.id: m.handoff_id for m in conn.sent
+                                      if isinstance(m, protocol.Handoff)})
+
+    conn = Watching(ack_all)
+    try:
+        async with trio.open_nursery() as nursery:
+            for s in sessions:
+                s.start_drain(nursery, "custodian gone")
+            request = protocol.RetrieveMany(ids=[s.id for s in sessions])
+            assert await handoff.retrieve(conn, request, registry, CONFIG, nursery)  # type: ignore[arg-type]
+        assert recorded == [["handing_off", "draining", "draining"],
+                            ["handing_off", "handing_off", "draining"],
+                            ["handing_off", "handing_off", "handing_off"]]
+    finally:
+        for master, slave in ptys:
+            os.close(master)
+            os.close(slave)
