@@ -38,6 +38,7 @@ import select
 import signal
 import subprocess
 import termios
+import threading
 import time
 import tty
 from collections.abc import Iterator, Sequence
@@ -142,6 +143,10 @@ class DetachKey:
             i = press + 1
         return bytes(out), False
 
+    def cancel(self) -> None:
+        """Forget a press that was waiting (its detach was refused)."""
+        self._pressed_at = None
+
     def wait(self, now: float) -> float | None:
         """Seconds until a press waiting for a second one detaches (0 once it does); None
         when no press is waiting."""
@@ -162,6 +167,14 @@ def exit_status(returncode: int) -> int:
 # --- the local terminal ---------------------------------------------------------------
 
 
+class _Interrupted(Exception):
+    """A detaching signal came while a write to the local terminal was blocked."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class TerminalGone(Exception):
     """The local terminal went away (EOF or EIO on it): the attachment detaches."""
 
@@ -179,7 +192,13 @@ class LocalTerminal:
             if not os.isatty(fd):
                 raise errors.NotATerminal(f"escrowctl needs a terminal to attach to: its "
                                           f"{what} (fd {fd}) is not one")
+        if os.tcgetpgrp(in_fd) != os.getpgrp():
+            # In the background the first change of its modes would stop this process
+            # (SIGTTOU) while it holds the session: nobody would read it.
+            raise errors.EscrowConfigError("escrowctl needs to run in the foreground of its "
+                                           "terminal to attach (not with &)")
         self.in_fd, self.out_fd = in_fd, out_fd
+        self.stalled = False  # it stopped taking output: nothing more is written to it
 
     def size(self) -> tuple[int, int]:
         """(rows, cols)."""
@@ -193,13 +212,16 @@ class LocalTerminal:
         try:
             yield
         finally:
-            # A terminal that is gone has nothing left to give back.
+            # A terminal that is gone has nothing left to give back; one that stopped
+            # taking output would block us for ever (TCSANOW: what was written already
+            # went through output processing as it was written).
             try:
-                self.write(LEAVE)
+                if not self.stalled:
+                    self.write(LEAVE)
             except TerminalGone:
                 pass
             try:
-                termios.tcsetattr(self.in_fd, termios.TCSADRAIN, saved)
+                termios.tcsetattr(self.in_fd, termios.TCSANOW, saved)
             except (OSError, termios.error):
                 pass
 
@@ -239,6 +261,7 @@ class Ending:
     detached: bool
     why: str
     status: int | None = None
+    stalled: bool = False  # the terminal stopped taking output: write nothing more to it
 
 
 _DETACHING: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP",
@@ -261,6 +284,7 @@ class Attachment:
         self._signals: list[int] = []
         self._wake_r = self._wake_w = -1
         self._size = (0, 0)  # the session's, as last set
+        self._writing = False  # in a write to the local terminal (see _note)
 
     def run(self, replay: bytes | None = None) -> Ending:
         """Attach until one of the endings, and see to the session as it says (custody
@@ -271,15 +295,17 @@ class Attachment:
         try:
             self._size = termios.tcgetwinsize(self.master)
             try:
-                with self._signal_handlers(), self._master_nonblocking(), \
-                        self.terminal.raw():
+                with self._signal_handlers(), self.terminal.raw():
                     if replay is not None:
-                        self.terminal.write(RESET + replay)
+                        self._write_local(RESET + replay)
                         if not self._resize():  # a new size makes the program redraw
                             repaint(self.master)
                     ending = self._copy()
             except TerminalGone as exc:
                 ending = Ending(True, f"the terminal went away: {exc}")
+            except _Interrupted as exc:
+                ending = Ending(True, f"{_DETACHING[exc.signum]}, while the terminal was "
+                                "not taking output", stalled=True)
             if not ending.detached:
                 self.custody.release(self.session_id)
         finally:
@@ -309,14 +335,22 @@ class Attachment:
                 data, detach = self.keys.feed(self.terminal.read(), time.monotonic())
                 typed += data
                 self._to_program(typed)
-                if detach:
-                    return self._detach_key()
+                if detach and (ending := self._detach_key()) is not None:
+                    return ending
             elif master in writable:
                 self._to_program(typed)
-            if self.keys.wait(time.monotonic()) == 0:
-                return self._detach_key()
+            if self.keys.wait(time.monotonic()) == 0 and (
+                    ending := self._detach_key()) is not None:
+                return ending
 
-    def _detach_key(self) -> Ending:
+    def _detach_key(self) -> Ending | None:
+        if not self.custody.protected:
+            # The holder is away (restarting, or gone): detaching now could leave this
+            # process with the last copy of the terminal. Stay, and say so.
+            self.keys.cancel()
+            self._write_local(b"\r\n[escrowctl: the holder is not reachable right now, so "
+                              b"this stays attached; press the detach key again later]\r\n")
+            return None
         return Ending(True, f"the detach key {key_name(self.keys.key)}")
 
     def _from_program(self) -> bool:
@@ -330,17 +364,27 @@ class Attachment:
             return True  # EIO: the last slave fd is closed
         if not data:
             return True
-        self.terminal.write(data)
+        self._write_local(data)
         return False
 
     def _to_program(self, typed: bytearray) -> None:
-        """Give the program what the user typed, as much as its terminal takes now."""
+        """Give the program what the user typed, as much as its terminal takes now.
+
+        O_NONBLOCK is set for this write only, so that a program that does not read its
+        input cannot stop its output from being copied; it is the open file description's,
+        shared with the holder, which takes the flags it finds for the app's own when it
+        drains: set for the whole attachment, an escrowctl SIGKILLed would leave it set
+        for good. (Reads need none: they follow select.)"""
+        flags = fcntl.fcntl(self.master, fcntl.F_GETFL)
+        fcntl.fcntl(self.master, fcntl.F_SETFL, flags | os.O_NONBLOCK)
         try:
             n = os.write(self.master, typed)
         except BlockingIOError:
             return
         except OSError:  # EIO: the program is gone; its ending is read from the master
             n = len(typed)
+        finally:
+            fcntl.fcntl(self.master, fcntl.F_SETFL, flags)
         del typed[:n]
 
     def _tail(self) -> None:
@@ -379,14 +423,30 @@ class Attachment:
         termios.tcsetwinsize(self.master, size)
         self._size = size
         rows, cols = size
+        # Off the copy loop: a holder that is slow to answer must not stop the bytes.
+        threading.Thread(target=self._report_size, args=(cols, rows), daemon=True).start()
+        return True
+
+    def _report_size(self, cols: int, rows: int) -> None:
         try:
             self.custody.update(self.session_id, cols=cols, rows=rows)
         except errors.EscrowError:
             pass  # the holder is away: the size shows late, the program has it already
-        return True
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
+        if self._writing and signum in _DETACHING:
+            # Blocked writing to a terminal that does not read (a dropped ssh link, a
+            # frozen emulator): leave the write, or nothing but SIGKILL would end this.
+            self.terminal.stalled = True
+            raise _Interrupted(signum)
+
+    def _write_local(self, data: bytes) -> None:
+        self._writing = True
+        try:
+            self.terminal.write(data)
+        finally:
+            self._writing = False
 
     @contextmanager
     def _signal_handlers(self) -> Iterator[None]:
@@ -407,19 +467,6 @@ class Attachment:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
-
-    @contextmanager
-    def _master_nonblocking(self) -> Iterator[None]:
-        """O_NONBLOCK on the master while attached, so that a program that does not read
-        what is typed cannot stop its output from being copied. The flags are the open file
-        description's, which the holder shares: they are put back before custody ends."""
-        flags = fcntl.fcntl(self.master, fcntl.F_GETFL)
-        fcntl.fcntl(self.master, fcntl.F_SETFL, flags | os.O_NONBLOCK)
-        try:
-            yield
-        finally:
-            fcntl.fcntl(self.master, fcntl.F_SETFL, flags)
-
 
 # --- the two ways in --------------------------------------------------------------------
 

@@ -380,6 +380,8 @@ def _run_id(program: str) -> str:
 def _attach_ended(args: argparse.Namespace, owner: str, sid: str, ending: attach.Ending) -> int:
     """Say how the attachment ended; the exit status. A detach is 0; the program's end is
     its status for `run`, 0 for `attach` (which cannot know it)."""
+    if ending.detached and ending.stalled:
+        return 0  # a terminal that takes no output would block any word to it
     if ending.detached:
         again = shlex.join(["escrowctl", *(["--socket", args.socket] if args.socket else []),
                             "attach", f"{owner}/{sid}"])

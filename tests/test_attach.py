@@ -412,7 +412,14 @@ def test_every_exit_path_gives_the_terminal_its_modes_back(
         elif how == "holder-dies":
             target.proc.kill()
             target.proc.wait()
-            a.keys("C-\\")  # ending custody now fails: the holder is gone
+            # With the holder gone the detach key does not detach (escrowctl has the last
+            # copy of the terminal): it says so and stays; a SIGTERM then ends it.
+            a.keys("C-\\")
+            a.wait_text("the holder is not reachable right now")
+            (escrowctl,) = [p for p in psutil.process_iter(["cmdline"])
+                            if target.socket in (p.info["cmdline"] or [])
+                            and "run" in (p.info["cmdline"] or [])]
+            escrowctl.send_signal(signal.SIGTERM)
         else:
             assert isinstance(how, signal.Signals)
             _kill_escrowctl(target, "m1", how)
@@ -548,7 +555,7 @@ def test_attach_of_a_held_session_names_its_custodian_and_changes_nothing(
         before = session(holder, "t1", OWNER)
         rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", f"{OWNER}/t1")
         assert rc == 1
-        assert re.search(rf"{OWNER}/t1 is held by pid {os.getpid()} \(python[0-9.]*\): .*"
+        assert re.search(rf"{OWNER}/t1 is held by pid {os.getpid()} \([^)]+\): .*"
                          r"nothing was changed \(custody_held\)", out), out
         assert session(holder, "t1", OWNER) == before  # held by us, nothing drained
         assert b"held-here" in program.read_available(until=b"held-here")  # still ours
@@ -652,3 +659,46 @@ def test_bad_detach_key_is_a_usage_error(holder: HolderProcess) -> None:
                           timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     assert done.returncode == 2
     assert "Escape" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_sigkilled_attach_leaves_the_terminal_blocking(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """The master's flags belong to the open file description the holder shares, and the
+    holder takes what it finds for the app's own: escrowctl sets O_NONBLOCK only around
+    each write of what is typed, so even a SIGKILL leaves the terminal blocking for the
+    next app."""
+    local = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "nb", "--",
+                          "sh", "-c", "echo re''ady; exec cat"])
+    local.read_available(timeout=TIMEOUT, until=b"ready")
+    os.write(local.master, b"typed\r")
+    local.read_available(timeout=TIMEOUT, until=b"typed")
+    info = session(holder, "nb")
+    assert info is not None and info.custodian_pid is not None
+    os.kill(info.custodian_pid, signal.SIGKILL)
+    wait_for(lambda: state(holder, "nb") == "draining", TIMEOUT, "the session draining")
+    got = holder.client(RUN_OWNER).retrieve("nb")
+    try:
+        assert os.get_blocking(got.fd)
+    finally:
+        os.close(got.fd)
+
+
+def test_sigterm_ends_an_attach_whose_terminal_takes_no_output(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """A local terminal that stops reading (a dropped ssh link) blocks escrowctl in its
+    write; SIGTERM still detaches it, and the holder drains the session again."""
+    local = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "st", "--",
+                          "yes", "a line that fills the terminal"])
+    wait_for(lambda: state(holder, "st") == "held", TIMEOUT, "the session held")
+    info = session(holder, "st")
+    assert info is not None and info.custodian_pid is not None
+    pid = info.custodian_pid
+    # Nobody reads the local terminal: escrowctl blocks writing to it.
+    wait_for(lambda: Path(f"/proc/{pid}/wchan").read_text() in ("n_tty_write", "wait_woken"),
+             TIMEOUT, "escrowctl blocked writing to its terminal")
+    os.kill(pid, signal.SIGTERM)
+    assert local.proc.wait(TIMEOUT) == 0
+    wait_for(lambda: state(holder, "st") == "draining", TIMEOUT, "the session draining")
+    holder.client(RUN_OWNER).release("st")
