@@ -300,6 +300,8 @@ class Attachment:
                         self._write_local(RESET + replay)
                         if not self._resize():  # a new size makes the program redraw
                             repaint(self.master)
+                    else:
+                        self._resize()  # the terminal may have changed size while we started
                     ending = self._copy()
             except TerminalGone as exc:
                 ending = Ending(True, f"the terminal went away: {exc}")
@@ -530,7 +532,7 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         raise errors.SessionExists(f"session {client.owner}/{session_id} exists; attach it "
                                    "with escrowctl attach, or choose another id", session_id)
     rows, cols = terminal.size()
-    master, child = _spawn(argv, rows, cols)
+    master, child = _spawn(argv, rows, cols, terminal.in_fd)
     try:
         custody = client.custody()
         try:
@@ -547,11 +549,18 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
                       child).run()
 
 
-def _spawn(argv: Sequence[str], rows: int, cols: int) -> tuple[int, subprocess.Popen[bytes]]:
+def _spawn(argv: Sequence[str], rows: int, cols: int,
+           like: int | None = None) -> tuple[int, subprocess.Popen[bytes]]:
     """`argv` as the session leader of a new PTY of that size, which is its controlling
-    terminal: the master and the process."""
+    terminal: the master and the process. The PTY's modes are those of terminal `like`
+    (its erase character, iutf8...), as a terminal app gives a new tab the user's."""
     master, slave = os.openpty()
     try:
+        if like is not None:
+            try:
+                termios.tcsetattr(slave, termios.TCSANOW, termios.tcgetattr(like))
+            except termios.error:
+                pass  # the PTY's own defaults, then
         termios.tcsetwinsize(slave, (rows, cols))
         child = subprocess.Popen(
             list(argv), stdin=slave, stdout=slave, stderr=slave, close_fds=True,

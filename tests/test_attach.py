@@ -702,3 +702,15 @@ def test_sigterm_ends_an_attach_whose_terminal_takes_no_output(
     assert local.proc.wait(TIMEOUT) == 0
     wait_for(lambda: state(holder, "st") == "draining", TIMEOUT, "the session draining")
     holder.client(RUN_OWNER).release("st")
+
+
+def test_run_gives_the_program_the_modes_of_its_terminal(
+    screens: Screens, holder: HolderProcess
+) -> None:
+    """A new session's PTY starts with the local terminal's modes (here iutf8, which a
+    shell's line editing needs for UTF-8), as a terminal app's new tab would."""
+    a = screens.pane("a")
+    a.line(f"stty iutf8; escrowctl --socket {holder.socket} run --id modes -- "
+           "sh -c 'stty -a | grep -o .iutf8'; echo \"rc=$?\"")
+    assert int(a.wait_line(r"^rc=(\d+)$")[1]) == 0
+    assert a.wait_line(r"^.iutf8$")[0] == " iutf8", a.capture()
