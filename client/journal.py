@@ -168,14 +168,20 @@ class JournalWriter:
             self._unmap()
 
     def _unmap(self) -> None:
-        for name in ("_data", "_counters"):
-            view = getattr(self, name, None)
-            if view is not None:
-                view.release()
-            setattr(self, name, None)
-        mm = self.__dict__.pop("_mm", None)
-        if mm is not None:
-            mm.close()
-        if getattr(self, "fd", -1) >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
+        unmap(self, ("_data", "_counters"))
+        self._data = self._counters = None
+
+
+def unmap(owner: object, views: tuple[str, ...]) -> None:
+    """Release `owner`'s memoryviews named `views`, then its mapping (`_mm`), then close its
+    `fd` (idempotent): what both sides of a state file do to let go of it."""
+    for name in views:
+        held = owner.__dict__.pop(name, None)
+        if held is not None:
+            held.release()
+    mm = owner.__dict__.pop("_mm", None)
+    if mm is not None:
+        mm.close()
+    if getattr(owner, "fd", -1) >= 0:
+        fd, owner.fd = owner.fd, -1  # type: ignore[attr-defined]
+        os.close(fd)

@@ -39,7 +39,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from escrow_client.journal import FIXED as _FIXED
-from escrow_client.journal import LAYOUT_VERSION, MAGIC, MAX_WRITE, TOTAL_OFFSET
+from escrow_client.journal import LAYOUT_VERSION, MAGIC, MAX_WRITE, TOTAL_OFFSET, unmap
 
 PAGE = 4096
 SMALL_SLOT = (PAGE - 64) // 2
@@ -251,16 +251,7 @@ class StateFile(Generic[R]):
 
     def close(self) -> None:
         """Unmap and close (idempotent). Views handed out (`data`) must not be used after."""
-        for view in ("data", "_total", "_view"):
-            held = self.__dict__.pop(view, None)
-            if held is not None:
-                held.release()
-        mm = self.__dict__.pop("_mm", None)
-        if mm is not None:
-            mm.close()
-        if getattr(self, "fd", -1) >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
+        unmap(self, ("data", "_total", "_view"))
 
 
 def _fixed_crc(head: bytes) -> int:
