@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import tty
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,9 +67,17 @@ class App:
 
 
 @pytest.fixture
-def apps() -> Iterator[list[App]]:
+def apps(holder: HolderProcess, tmp_path: Path) -> Iterator[Callable[..., App]]:
+    """Start an app on session "tab": `apps(name, mode, *flags)`; each is killed, with its
+    child, at the end."""
     started: list[App] = []
-    yield started
+
+    def start(name: str, mode: str, *flags: str) -> App:
+        app = App(holder, "tab", tmp_path / name, mode, *flags)
+        started.append(app)
+        return app
+
+    yield start
     for app in started:
         if app.proc.poll() is None:
             app.kill()
@@ -83,13 +91,20 @@ def state_of(client: EscrowClient, sid: str) -> str:
     return next((s.state for s in client.list() if s.id == sid), "unknown")
 
 
+def crash(app: App, client: EscrowClient, lines: int = 20) -> None:
+    """Let `app` read `lines` lines, SIGKILL it, and wait until the holder drains again."""
+    app.wait_lines(lines)
+    app.kill()
+    wait_draining_with_output(client, "tab")
+
+
 def wait_draining_with_output(client: EscrowClient, sid: str) -> None:
     """Custody ended (the app died) and the holder has drained some of what came since."""
     wait_for(lambda: any(s.id == sid and s.state == "draining" and s.buffered_bytes > 200
                          for s in client.list()), 15, f"{sid} draining with output")
 
 
-def test_a_second_crash_loses_and_repeats_nothing(holder: HolderProcess, apps: list[App],
+def test_a_second_crash_loses_and_repeats_nothing(holder: HolderProcess, apps: Callable[..., App],
                                                    tmp_path: Path) -> None:
     """Incident pinned (issue 12): after `reclaim_all()` a session was `handed_off` and a
     second crash of the app lost it. Retrieved into custody it stays escrowed: app 1 dies,
@@ -97,18 +112,12 @@ def test_a_second_crash_loses_and_repeats_nothing(holder: HolderProcess, apps: l
     1, what app 2 read, replay 2 and the live output run on from L1, no line missing or
     repeated."""
     client = holder.client()
-    app1 = App(holder, "tab", tmp_path / "app1", "new")
-    apps.append(app1)
-    app1.wait_lines(20)
-    app1.kill()
-    wait_draining_with_output(client, "tab")
+    app1 = apps("app1", "new")
+    crash(app1, client)
 
-    app2 = App(holder, "tab", tmp_path / "app2", "reclaim")
-    apps.append(app2)
+    app2 = apps("app2", "reclaim")
     assert state_of(client, "tab") == "held"  # escrowed while the app reads it
-    app2.wait_lines(20)
-    app2.kill()
-    wait_draining_with_output(client, "tab")
+    crash(app2, client)
 
     with client.custody() as custody:
         report = custody.reclaim_all()
@@ -125,30 +134,24 @@ def test_a_second_crash_loses_and_repeats_nothing(holder: HolderProcess, apps: l
 
 
 def test_the_journal_brings_back_what_was_printed_before_the_crash(
-    holder: HolderProcess, apps: list[App], tmp_path: Path
+    holder: HolderProcess, apps: Callable[..., App], tmp_path: Path
 ) -> None:
     """With the journal on, the replay after a crash starts with the first line the app
     ever read, and `replay_journaled` counts what the app recorded; then live output
     follows it without a gap or a repeat. The app that reclaims journals on, so a second
     crash brings back both."""
     client = holder.client()
-    app1 = App(holder, "tab", tmp_path / "app1", "new", "--journal")
-    apps.append(app1)
-    app1.wait_lines(30)
-    app1.kill()
+    app1 = apps("app1", "new", "--journal")
+    crash(app1, client, 30)
     read_by_app1 = app1.read()
-    wait_draining_with_output(client, "tab")
 
-    app2 = App(holder, "tab", tmp_path / "app2", "reclaim", "--journal")
-    apps.append(app2)
+    app2 = apps("app2", "reclaim", "--journal")
     replay1 = app2.replay()
     assert replay1.startswith(b"L1\r\n")
     assert replay1.startswith(read_by_app1)  # what app 1 read, then what the holder drained
     assert app2.journaled == len(read_by_app1)
     assert numbered_lines(replay1) == list(range(1, len(numbered_lines(replay1)) + 1))
-    app2.wait_lines(20)
-    app2.kill()
-    wait_draining_with_output(client, "tab")
+    crash(app2, client)
 
     with client.custody() as custody:
         third = custody.retrieve("tab")
@@ -163,14 +166,11 @@ def test_the_journal_brings_back_what_was_printed_before_the_crash(
 
 
 def test_without_the_journal_the_replay_is_what_the_holder_drained(
-    holder: HolderProcess, apps: list[App], tmp_path: Path
+    holder: HolderProcess, apps: Callable[..., App], tmp_path: Path
 ) -> None:
     client = holder.client()
-    app1 = App(holder, "tab", tmp_path / "app1", "new")
-    apps.append(app1)
-    app1.wait_lines(20)
-    app1.kill()
-    wait_draining_with_output(client, "tab")
+    app1 = apps("app1", "new")
+    crash(app1, client)
     retrieved = client.retrieve("tab")
     try:
         assert retrieved.replay_journaled == 0
@@ -237,13 +237,12 @@ def test_update_keeps_size_and_meta_current(holder: HolderProcess) -> None:
 
 
 def test_reclaim_into_custody_with_a_live_other_instance_reports_custody_held(
-    holder: HolderProcess, apps: list[App], tmp_path: Path
+    holder: HolderProcess, apps: Callable[..., App], tmp_path: Path
 ) -> None:
     """Launch race: another instance of the app is alive and holds the session. Its
     reclaim reports CustodyHeld within 2 s, not after the whole deadline, and not as a
     holder that does not answer."""
-    other = App(holder, "tab", tmp_path / "other", "new")
-    apps.append(other)
+    apps("other", "new")
     client = holder.client()
     with client.custody() as custody:
         started = time.monotonic()

@@ -42,6 +42,12 @@ def states(client: EscrowClient) -> dict[str, str]:
     return {s.id: s.state for s in client.list()}
 
 
+def retrieve_all(raw: RawClient, keep: bool = False) -> dict[str, protocol.Handoff]:
+    """`retrieve_many` of every session, and the handoffs it answers (not acked)."""
+    raw.send(protocol.RetrieveMany(ids=IDS, keep=keep))
+    return handoffs(raw, len(IDS))
+
+
 def handoffs(raw: RawClient, count: int) -> dict[str, protocol.Handoff]:
     got = {}
     for _ in range(count):
@@ -57,8 +63,7 @@ def test_every_session_comes_back_over_one_request(holder: HolderProcess,
     client = escrow(holder, ptys)
     with RawClient(holder.socket) as raw:
         raw.hello()
-        raw.send(protocol.RetrieveMany(ids=IDS))
-        got = handoffs(raw, len(IDS))
+        got = retrieve_all(raw)
         assert {sid: h.replay for sid, h in got.items()} == {
             sid: f"replay of {sid}\r\n".encode() for sid in IDS}
         raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()}))
@@ -90,8 +95,7 @@ def test_a_peer_that_hangs_up_before_its_acks_loses_nothing(
     client = escrow(holder, ptys)
     with RawClient(holder.socket) as raw:
         raw.hello()
-        raw.send(protocol.RetrieveMany(ids=IDS, keep=True))
-        handoffs(raw, len(IDS))
+        retrieve_all(raw, keep=True)
         assert set(states(client).values()) == {"handing_off"}
     wait_for(lambda: set(states(client).values()) == {"draining"}, 10, "all put back")
     # The same fds and replays: output written meanwhile follows the first lines.
@@ -109,8 +113,7 @@ def test_acks_that_never_come_put_every_session_back(
     client = escrow(holder, ptys)
     with RawClient(holder.socket) as raw:
         raw.hello(timeout=None)
-        raw.send(protocol.RetrieveMany(ids=IDS))
-        got = handoffs(raw, len(IDS))
+        got = retrieve_all(raw)
         wait_for(lambda: set(states(client).values()) == {"draining"}, 10, "all put back")
         raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()}))
         late, _ = raw.receive()
@@ -125,8 +128,7 @@ def test_a_wrong_ack_puts_every_session_back(holder: HolderProcess,
     client = escrow(holder, ptys)
     with RawClient(holder.socket) as raw:
         raw.hello()
-        raw.send(protocol.RetrieveMany(ids=IDS))
-        got = handoffs(raw, len(IDS))
+        got = retrieve_all(raw)
         acks = {sid: h.handoff_id for sid, h in got.items()}
         acks["s3"] = "not-the-handoff-id"
         raw.send(protocol.AckMany(acks=acks))
@@ -165,8 +167,7 @@ def test_kept_sessions_are_held_by_the_connection_and_drain_when_it_ends(
     client = escrow(holder, ptys)
     with RawClient(holder.socket) as raw:
         raw.hello()
-        raw.send(protocol.RetrieveMany(ids=IDS, keep=True))
-        got = handoffs(raw, len(IDS))
+        got = retrieve_all(raw, keep=True)
         raw.send(protocol.AckMany(acks={sid: h.handoff_id for sid, h in got.items()},
                                   keep=True))
         assert isinstance(raw.receive()[0], protocol.DoneMany)
