@@ -280,6 +280,11 @@ class Custody:
         # holder that went away is the watcher's to notice (the socket hangs up).
         return self._usable_channel().call(message, Deadline(self._client.timeout), fd=fd)
 
+    def _read_marker(self) -> bool:
+        """Whether the holder reads a journal's `reading` mark (section 10.6)."""
+        channel = self._channel
+        return channel is not None and "journal_reading" in channel.welcome.features
+
     def _set_journal(self, kept: _Kept, reply: protocol.Response, fds: list[int]) -> None:
         """Map the state file a `deposited` carried (replacing an earlier mapping: a new
         holder may have given a new file). Without one, the session has no journal."""
@@ -288,9 +293,10 @@ class Custody:
         try:
             if layout is not None and fds:
                 if writer is not None:
-                    writer.remap(fds.pop(0), layout)  # the same writer: no record lost
+                    # The same writer: no record lost.
+                    writer.remap(fds.pop(0), layout, self._read_marker())
                 else:
-                    writer = JournalWriter(fds.pop(0), layout)
+                    writer = JournalWriter(fds.pop(0), layout, self._read_marker())
             elif writer is not None:
                 writer.close()  # no journal on this holder: we must not write that ring
                 writer = None
@@ -313,7 +319,7 @@ class Custody:
             if result.journal is not None and result.journal_fd is not None:
                 fd, result.journal_fd = result.journal_fd, None
                 try:
-                    kept.journal = JournalWriter(fd, result.journal)
+                    kept.journal = JournalWriter(fd, result.journal, self._read_marker())
                 except JournalError:
                     pass
             self._kept[sid] = kept

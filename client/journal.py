@@ -11,11 +11,15 @@ header both sides read:
     bytes  0..32   magic, layout version, a checksum, data offset, data size
     bytes 32..40   `total`: every byte ever put into the ring
     bytes 40..48   `writing`: what `total` becomes once the write in flight is in place
+    bytes 48..56   `reading`: `total` + 1 while a read from the terminal is in flight whose
+                   bytes are not recorded yet, else 0
 
 A write stores `writing`, copies the bytes, then stores `total` (each one aligned 8-byte
 store). An app killed in between leaves `writing` above `total`; the holder then knows
 that up to that many of the oldest bytes may have been overwritten, and drops them, rather
-than replaying torn output. Writes are cut to `MAX_WRITE` bytes so that is little.
+than replaying torn output. Writes are cut to `MAX_WRITE` bytes so that is little. An app
+killed with `reading` set may have taken bytes off the terminal that never reached the
+ring: the holder marks a gap there (it drops nothing: the ring was not touched).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from . import protocol
 MAGIC = b"ESCROWSF"
 LAYOUT_VERSION = 1
 FIXED = struct.Struct("=8sIIQQ")  # magic, version, crc of the rest, data offset, data size
-TOTAL_OFFSET = 32  # `total`, then `writing`: 8-byte aligned
+TOTAL_OFFSET = 32  # `total`, `writing`, then `reading`: 8-byte aligned
+COUNTERS = 3
 MAX_WRITE = 8 * 1024
 
 
@@ -42,17 +47,21 @@ class JournalError(Exception):
 class JournalWriter:
     """Appends to one session's ring. Resource handling: owns `fd` (the state file) and
     its mapping from construction (also when it raises) until `close()`. Thread-safe:
-    `record` and `close` may be called from different threads."""
+    `record` and `close` may be called from different threads. `read_marker`: the holder
+    reads the `reading` counter (its `welcome.features` has `journal_reading`)."""
 
-    def __init__(self, fd: int, journal: protocol.Journal) -> None:
+    def __init__(self, fd: int, journal: protocol.Journal, read_marker: bool = True) -> None:
         self._lock = threading.Lock()
+        self.read_marker = read_marker
         self._map(fd, journal)
 
-    def remap(self, fd: int, journal: protocol.Journal) -> None:
+    def remap(self, fd: int, journal: protocol.Journal, read_marker: bool = True) -> None:
         """Go on writing in another mapping (a holder that restarted handed the state file
-        over again, or a new one): no record falls between the two, nor is counted twice.
-        Takes `fd` as the constructor does; raises JournalError (closed) as it does."""
+        over again, or a new one), for a holder that reads the `reading` mark or not: no
+        record falls between the two, nor is counted twice. Takes `fd` as the constructor
+        does; raises JournalError (closed) as it does."""
         with self._lock:
+            self.read_marker = read_marker
             self._unmap()
             self._map(fd, journal)
 
@@ -71,7 +80,8 @@ class JournalWriter:
             raise JournalError("the holder sent a state file of another layout")
         view = memoryview(self._mm)
         self._data: memoryview | None = view[data_offset : data_offset + journal.capacity]
-        self._counters: memoryview | None = view[TOTAL_OFFSET : TOTAL_OFFSET + 16].cast("Q")
+        self._counters: memoryview | None = (
+            view[TOTAL_OFFSET : TOTAL_OFFSET + 8 * COUNTERS].cast("Q"))
         view.release()
         self.capacity = journal.capacity
         # Where the byte numbered `total` goes: the holder said where the byte numbered
@@ -80,8 +90,10 @@ class JournalWriter:
         self._total = int(self._counters[0])
         self._position = (journal.position + self._total - journal.total) % self.capacity
 
-    def record(self, data: bytes | bytearray | memoryview) -> None:
-        """Append `data`: the newest `capacity` bytes of everything recorded are kept."""
+    def record(self, data: bytes | bytearray | memoryview, read: bool = False) -> None:
+        """Append `data`: the newest `capacity` bytes of everything recorded are kept.
+        `read`: these are the bytes of the read marked in flight (`read` clears the mark
+        once they are in place)."""
         n = len(data)
         with self._lock:
             ring, counters, cap = self._data, self._counters, self.capacity
@@ -95,14 +107,45 @@ class JournalWriter:
                 ring[pos : pos + n] = data
                 counters[0] = self._total = total
                 self._position = (pos + n) % cap
-                return
-            self._record_in_parts(memoryview(data).cast("B"), ring, counters, cap)
+            else:
+                self._record_in_parts(memoryview(data).cast("B"), ring, counters, cap)
+            if read:
+                counters[2] = 0
 
     def read(self, fd: int, size: int) -> bytes:
-        """`os.read(fd, size)` that records what it read: the bytes go from the terminal
-        straight into the ring, and are copied out once for the caller, so that recording
-        costs the app next to nothing. Reads at most up to the ring's end (and MAX_WRITE
-        bytes) at a time. OSError (EAGAIN, EIO) as os.read, with nothing recorded."""
+        """`os.read(fd, size)` that records what it read. OSError (EAGAIN, EIO) as os.read,
+        with nothing recorded.
+
+        The read is marked in flight (`reading`) before it starts and the mark cleared
+        once its bytes are recorded, so that a crash in between leaves a gap marked where
+        they are missing. Waiting for the terminal first (poll) would mark only reads that
+        cannot block, but costs a pty reader a quarter more CPU (bench/run.py, the
+        journal): so only for a holder that does not read the mark."""
+        if not self.read_marker:
+            return self._read_when_readable(fd, size)
+        with self._lock:
+            counters = self._counters
+            if counters is None:
+                marked = False
+            else:
+                counters[2] = self._total + 1
+                marked = True
+        if not marked:
+            return os.read(fd, size)  # closed: custody ended; nothing is recorded
+        try:
+            data = os.read(fd, size)  # outside the lock: `close` must not wait for output
+        except BaseException:
+            with self._lock:
+                if self._counters is not None:
+                    self._counters[2] = 0
+            raise
+        self.record(data, read=True)
+        return data
+
+    def _read_when_readable(self, fd: int, size: int) -> bytes:
+        """`read` for a holder that does not read the `reading` mark: the bytes go from
+        the terminal straight into the ring once poll says the read cannot block, inside
+        one write (`writing` covers them)."""
         if os.get_blocking(fd):
             # Wait for the terminal outside the lock: `close` must not wait for output.
             poller = select.poll()

@@ -194,7 +194,7 @@ class SessionInfo(msgspec.Struct, kw_only=True):
 
 # What this holder does beyond the first version-1 holders: a client checks before it
 # relies on one (an older holder ignores `keep`, and would hand the session off for good).
-FEATURES = ("keep", "retrieve_many", "journal", "update")
+FEATURES = ("keep", "retrieve_many", "journal", "update", "journal_reading")
 
 
 class Welcome(Message, tag="welcome"):

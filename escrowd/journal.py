@@ -45,22 +45,23 @@ def begin(session: Session) -> None:
 def end(session: Session) -> None:
     """Custody ended: the ring is the holder's again, with what the app recorded in it. An
     app killed in the middle of a write leaves a spot where that write's bytes are missing
-    (a gap), and the oldest bytes it may have overwritten are dropped."""
+    (a gap), and the oldest bytes it may have overwritten are dropped; one killed with a
+    read in flight, a gap (what it read may not have reached the ring)."""
     start = session.journal_from
     if start is None:
         return
     ring = session.ring
-    in_flight = ring.state.writing > ring.state.total
+    torn, reading = ring.state.writing > ring.state.total, ring.state.reading
     dropped = ring.resync()
-    if in_flight:
+    if torn or reading:
         session.gap_totals.append(ring.total)
     session.journal_from = None
     if ring.total > start:
         session.journal_ranges.append((start, ring.total))
     journaled(session, ring.total - ring.size)  # forgets ranges no longer in the ring
     session.persist()
-    session.log("journal_end", recorded=ring.total - start, torn_write=in_flight,
-                dropped=dropped or None)
+    session.log("journal_end", recorded=ring.total - start, torn_write=torn,
+                read_in_flight=reading or None, dropped=dropped or None)
 
 
 def journaled(session: Session, replay_from: int) -> int:

@@ -6,8 +6,10 @@ The file (native byte order and sizes: it never leaves the machine):
 
     page 0   fixed header (64 bytes): magic, layout version, data offset and size, a
              checksum of those, `total`, the one hot counter: every byte ever read into
-             the ring, and `writing`: what `total` becomes once an app's journal write in
-             flight is in place (escrow_client.journal); then record slots 0 and 1
+             the ring, `writing`: what `total` becomes once an app's journal write in
+             flight is in place, and `reading`: set while an app's read is in flight
+             whose bytes are not in the ring yet (escrow_client.journal); then record
+             slots 0 and 1
              (1,984 bytes each)
     then     record slots 2 and 3 (BIG_SLOT bytes each), for records too big for page 0
     then     the ring's bytes (`data`), `size` of them
@@ -38,8 +40,15 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from escrow_client.journal import (
+    COUNTERS,
+    LAYOUT_VERSION,
+    MAGIC,
+    MAX_WRITE,
+    TOTAL_OFFSET,
+    unmap,
+)
 from escrow_client.journal import FIXED as _FIXED
-from escrow_client.journal import LAYOUT_VERSION, MAGIC, MAX_WRITE, TOTAL_OFFSET, unmap
 
 PAGE = 4096
 SMALL_SLOT = (PAGE - 64) // 2
@@ -148,8 +157,9 @@ class StateFile(Generic[R]):
             raise
         self.size = int(size)
         self.data = self._view[DATA_OFFSET : DATA_OFFSET + self.size]
-        # `total`, then `writing` (an app's journal write in flight, if above `total`).
-        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 16].cast("Q")
+        # `total`, `writing` (an app's journal write in flight, if above `total`), then
+        # `reading` (an app's read in flight, if not 0).
+        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 8 * COUNTERS].cast("Q")
         self._slot_seq: dict[int, int] = {}
         self._newest_slot: int | None = None
         self._seq: int
@@ -192,8 +202,16 @@ class StateFile(Generic[R]):
         died): its bytes may be partly in place, uncounted."""
         return int(self._total[1])
 
+    @property
+    def reading(self) -> bool:
+        """An app's read was in flight (or was, when the app died) whose bytes are not in
+        the ring: they may be missing there."""
+        return bool(self._total[2])
+
     def clear_writing(self) -> None:
+        """Nothing is in flight: `writing` back to `total`, `reading` cleared."""
         self._total[1] = self._total[0]
+        self._total[2] = 0
 
     # --- records -----------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ byte by byte, since a SIGKILL cannot be aimed between two stores."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 import tty
 from collections.abc import Iterator
 
@@ -114,10 +116,14 @@ def test_an_app_killed_in_the_middle_of_a_write_leaves_no_torn_bytes(
     assert session.ring.state.writing == session.ring.state.total
 
 
-def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Session) -> None:
-    """`Custody.read` reads from the terminal straight into the ring: what the app gets
-    and what the replay holds are the same bytes, in order, across the ring's end."""
+@pytest.mark.parametrize("read_marker", [True, False])
+def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Session,
+                                                                    read_marker: bool) -> None:
+    """`Custody.read` records what it reads from the terminal: what the app gets and what
+    the replay holds are the same bytes, in order, across the ring's end; with the
+    `reading` mark (read, then record) and without (wait, then read into the ring)."""
     writer = writer_for(session)
+    writer.read_marker = read_marker
     master, slave = os.openpty()
     tty.setraw(slave)
     try:
@@ -135,6 +141,7 @@ def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Ses
     journal.end(session)
     assert session.ring.contents() == sent[-RING:]
     assert session.ring.state.writing == session.ring.state.total == len(sent)
+    assert not session.ring.state.reading and session.replay_gaps == []
 
 
 @pytest.mark.parametrize("lie", ["backwards", "huge"])
@@ -152,3 +159,59 @@ def test_a_journal_that_lies_about_its_counter_is_not_believed(session: Session,
     assert session.ring.total == before
     assert session.ring.contents() == b""
     assert session.ring.state.total == before
+
+
+def test_an_app_killed_with_a_read_in_flight_leaves_a_gap_and_drops_nothing(
+    session: Session,
+) -> None:
+    """A read from the terminal is marked in flight (`reading`) while the app waits in it:
+    an app that died there may have taken bytes off the terminal that never reached the
+    ring. The holder marks the spot, and keeps every byte the ring holds (the read did not
+    touch it). The app's death is made here by closing its writer while its read waits."""
+    writer = writer_for(session)
+    data = b"".join(f"L{i:06d}\n".encode() for i in range(1000))  # 8,000 bytes
+    writer.record(data)
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    state = session.ring.state
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(writer.read(master, 65536)))
+    try:
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not state.reading:  # the reader is in its read, marked
+            assert time.monotonic() < deadline, "the read was never marked in flight"
+            time.sleep(0.001)
+        writer.close()  # the app is gone (its read is still waiting)
+        journal.end(session)
+        os.write(slave, b"lost\n")  # the read returns with bytes the ring never gets
+        reader.join(10)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert got == [b"lost\n"]
+    assert session.ring.contents() == data
+    assert session.replay_gaps == [len(data)]
+    assert not state.reading and state.writing == state.total == len(data)
+
+
+@pytest.mark.parametrize("read_marker", [True, False])
+def test_a_read_that_fails_records_nothing_and_leaves_no_mark(session: Session,
+                                                              read_marker: bool) -> None:
+    writer = writer_for(session)
+    writer.read_marker = read_marker
+    writer.record(b"before")
+    master, slave = os.openpty()
+    os.set_blocking(master, False)
+    try:
+        with pytest.raises(BlockingIOError):
+            writer.read(master, 65536)
+    finally:
+        os.close(master)
+        os.close(slave)
+        writer.close()
+    state = session.ring.state
+    assert not state.reading and state.writing == state.total == 6
+    journal.end(session)
+    assert session.ring.contents() == b"before"
+    assert session.replay_gaps == []
