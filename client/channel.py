@@ -17,7 +17,7 @@ import socket
 import time
 
 from . import breaker, errors, paths, protocol, trust
-from .fdpass import close_fds, recv_frame, send_frame
+from .fdpass import FrameReader, close_fds, recv_frame, send_frame
 from .platform import harden_socket
 
 # A response may carry a whole replay ring; requests stay under the holder's 1 MiB.
@@ -70,6 +70,7 @@ class Channel:
         # Trust before any byte (DESIGN §6): the directory now, the listener's uid below.
         trust.check_socket_dir(socket_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._reader = FrameReader(self.sock, MAX_RESPONSE_BYTES)
         try:
             harden_socket(self.sock)
             self._arm(deadline)
@@ -153,7 +154,7 @@ class Channel:
         """The next message, with the fds it carried. An `error` answer is raised."""
         self._arm(deadline)
         try:
-            body, fds = recv_frame(self.sock, MAX_RESPONSE_BYTES)
+            body, fds = self._reader.read()
         except TimeoutError:
             raise self._timed_out("did not answer") from None
         except EOFError:

@@ -33,6 +33,7 @@ MAX_FDS_SEEN = 8
 ANCILLARY_SPACE = socket.CMSG_SPACE(MAX_FDS_SEEN * array.array("i").itemsize)
 
 Ancillary = list[tuple[int, int, bytes]]
+_CTRUNC = int(socket.MSG_CTRUNC)  # (an enum flag: `&` on it is a slow Python call)
 
 
 def close_fds(fds: Iterable[int]) -> None:
@@ -53,7 +54,7 @@ def fds_from_ancillary(ancdata: Ancillary, msg_flags: int) -> list[int]:
             ints.frombytes(data[: len(data) - len(data) % ints.itemsize])
             fds.extend(ints)
     mark_cloexec(fds)
-    if msg_flags & socket.MSG_CTRUNC:
+    if msg_flags & _CTRUNC:
         close_fds(fds)
         raise TruncatedFds(
             "ancillary data was truncated (MSG_CTRUNC): too many fds, or the receiver is out "
@@ -115,16 +116,21 @@ class FrameAssembler:
                 if self.started:
                     raise FrameError("connection closed in the middle of a frame")
                 raise EOFError
-            self._buf += data
             if self._body_len is None:
+                self._buf += data
                 if len(self._buf) < HEADER.size:
                     return None
                 self._body_len = parse_header(bytes(self._buf), self.max_body)
                 self._buf.clear()
                 return None
-            if len(self._buf) < self._body_len:
-                return None
-            body, fds, truncated = bytes(self._buf), self.fds, self._truncated
+            if not self._buf and len(data) == self._body_len:
+                body = data  # the whole body in one read (the usual case): not copied
+            else:
+                self._buf += data
+                if len(self._buf) < self._body_len:
+                    return None
+                body = bytes(self._buf)
+            fds, truncated = self.fds, self._truncated
             self._buf, self._body_len, self.fds, self._truncated = bytearray(), None, [], None
             if truncated is not None:
                 close_fds(fds)
@@ -153,6 +159,66 @@ def recv_frame(sock: socket.socket, max_body: int) -> tuple[bytes, list[int]]:
     except BaseException:
         assembler.discard()
         raise
+
+
+# A receive buffer kept for the next frame is at most this big (a bigger frame gets a
+# buffer of its own): a handoff with a 64 KiB replay fits.
+_KEPT_BUFFER = 1 << 20
+
+
+class FrameReader:
+    """Blocking: whole frames from one socket, read into one buffer that is used again for
+    the next frame. Reading into fresh memory each time made the kernel fault in every page
+    of it: with a thousand handoffs' replays to keep, that was as much work as the copies.
+
+    Same rules as `recv_frame` (exactly the header, then exactly the body; every fd closed
+    on any error)."""
+
+    def __init__(self, sock: socket.socket, max_body: int) -> None:
+        self.sock = sock
+        self.max_body = max_body
+        self._buffer = bytearray()
+
+    def read(self) -> tuple[memoryview, list[int]]:
+        """The next frame's body, valid until the next `read`, and its fds (the caller's).
+        EOFError at a clean end of stream, ProtocolError on a bad frame, OSError (including
+        TimeoutError) otherwise."""
+        fds: list[int] = []
+        truncated: TruncatedFds | None = None
+
+        def fill(view: memoryview, started: bool) -> None:
+            nonlocal truncated
+            got = 0
+            while got < len(view):
+                n, ancdata, flags, _ = self.sock.recvmsg_into([view[got:]], ANCILLARY_SPACE,
+                                                              RECV_FLAGS)
+                try:
+                    fds.extend(fds_from_ancillary(ancdata, flags))
+                except TruncatedFds as exc:
+                    truncated = exc  # read the rest of the frame, then refuse it
+                if n == 0:
+                    if started or got or fds or truncated:
+                        raise FrameError("connection closed in the middle of a frame")
+                    raise EOFError
+                got += n
+
+        try:
+            header = bytearray(HEADER.size)
+            fill(memoryview(header), started=False)
+            length = parse_header(bytes(header), self.max_body)
+            buffer = self._buffer
+            if len(buffer) < length:
+                buffer = bytearray(length)
+                if length <= _KEPT_BUFFER:
+                    self._buffer = buffer
+            body = memoryview(buffer)[:length]
+            fill(body, started=True)
+            if truncated is not None:
+                raise truncated
+            return body, fds
+        except BaseException:
+            close_fds(fds)
+            raise
 
 
 def send_frame(

@@ -333,15 +333,15 @@ def encode(message: Message) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_request(body: bytes) -> Request:
+def decode_request(body: bytes | memoryview) -> Request:
     return _decode(_request_decoder, body)  # type: ignore[no-any-return]
 
 
-def decode_response(body: bytes) -> Response:
+def decode_response(body: bytes | memoryview) -> Response:
     return _decode(_response_decoder, body)  # type: ignore[no-any-return]
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes) -> Any:
+def _decode(decoder: msgspec.msgpack.Decoder[Any], body: bytes | memoryview) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:

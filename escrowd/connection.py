@@ -7,6 +7,7 @@ trio loop around them.
 from __future__ import annotations
 
 import errno
+import socket
 from collections.abc import Sequence
 
 import trio
@@ -15,6 +16,8 @@ from escrow_client import protocol
 from escrow_client.fdpass import ANCILLARY_SPACE, FrameAssembler, close_fds, rights
 from escrow_client.liveness import process_start_time
 from escrow_client.platform import RECV_FLAGS, SEND_FLAGS, harden_socket, peer_credentials
+
+_WIDE_SEND_BUFFER = 4 << 20
 
 
 class SendTimeout(OSError):
@@ -32,6 +35,10 @@ class Connection:
         self, sock: trio.socket.SocketType, number: int, send_deadline: float = 1.0
     ) -> None:
         self.sock = sock
+        # trio's own (non-blocking) socket, for a send that can complete at once: trio's
+        # methods yield to the scheduler on every call, a round per message when a
+        # handoff of many sessions sends a thousand.
+        self._now: socket.socket | None = getattr(sock, "_sock", None)
         self.number = number
         self.send_deadline = send_deadline
         harden_socket(sock)  # type: ignore[arg-type]
@@ -85,6 +92,16 @@ class Connection:
         never a connection task stuck forever. After it the stream is out of step."""
         view = memoryview(protocol.encode(message))
         ancdata = rights(fd)
+        if self._now is not None:
+            try:
+                sent = self._now.sendmsg([view], ancdata, SEND_FLAGS)
+            except BlockingIOError:
+                pass  # full: wait below
+            else:
+                ancdata = []
+                view = view[sent:]
+                if not view:
+                    return
         with trio.move_on_after(self.send_deadline):
             while view:
                 sent = await self.sock.sendmsg([view], ancdata, SEND_FLAGS)
@@ -92,6 +109,15 @@ class Connection:
                 view = view[sent:]
             return
         raise SendTimeout(errno.ETIMEDOUT, "send deadline passed: the peer is not reading")
+
+    def widen_send_buffer(self) -> None:
+        """Let the kernel queue a few MiB for this peer (as far as net.core.wmem_max allows;
+        often it does not): the handoffs of a `retrieve_many` then go out while the holder
+        stops the next drains, instead of each waiting for the app to read the one before."""
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _WIDE_SEND_BUFFER)
+        except OSError:
+            pass  # a narrower buffer is only slower
 
     async def send_error(
         self, code: str, message: str, sid: str | None = None, versions: list[int] | None = None

@@ -32,7 +32,6 @@ without an ack.
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass
 
 import trio
@@ -42,10 +41,13 @@ from escrow_client import protocol
 from . import journal
 from .config import Config
 from .connection import Connection, SendTimeout
-from .log import log
+from .log import batched, log
 from .registry import Registry
 from .session import Session
 from .trim import clean_start
+
+# Sessions claimed, stopped and sent at a time in a `retrieve_many`.
+_CHUNK = 32
 
 
 @dataclass
@@ -82,50 +84,26 @@ async def retrieve(
         return True
 
     claims: list[_Claim] = []
+    buried: list[Session] = []  # handed off for good: the holder's copies, closed last
+    layouts: dict[str, protocol.Journal | None] = {}
     why = "handoff interrupted"
     try:
-        # Step 1: refuse, or claim.
-        for sid in ids:
-            session = await _claim(conn, sid, registry)
-            if session is not None:
-                claims.append(_Claim(session, session.state))
-                session.unsent = session.state  # recorded until its own send (step 3)
-                session.handoff_id = uuid.uuid4().hex  # visible in `list` while under way
-                session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if we die now
-                session.set_state("handing_off", f"retrieve handoff_id={session.handoff_id} "
-                                  f"peer_pid={conn.peer_pid}" + (" into custody" if keep else ""))
-                session.cancel_drain()  # now: not after a checkpoint where it could read
-
-        # Step 2: stop the drains (every one was told to stop already, so they finish
-        # together), then sweep into free space only.
-        with trio.move_on_after(config.drain_stop_budget):
-            for claim in claims:
-                await claim.session.stop_drain()
-                claim.session.pull(overwrite=False)
-        for claim in list(claims):
-            session = claim.session
-            if session.hung_up:
-                claim.prior = "exited"
-            if session.has_drain():
-                # Its drain task did not finish in time. Let it finish in the background
-                # and drain again after it, so the terminal is never left without a reader.
-                claims.remove(claim)
-                _put_back(session, claim.prior, registry, nursery, "drain stop took too long")
-                nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
-                await conn.send_error("drain_stop_timeout",
-                                      f"could not stop draining {session.name} in time",
-                                      session.id)
-
-        # Step 3: send the fds.
-        layouts: dict[str, protocol.Journal | None] = {}
-        for claim in claims:
-            message, fds = _handoff(claim, with_journal)
-            layouts[claim.session.id] = message.journal
-            try:
-                await conn.send(message, fd=fds[0] if len(fds) == 1 else fds)
-            except OSError as exc:
-                why = f"handoff send failed: {_why(exc)}"
-                return False  # the peer may hold half a frame: the stream is out of step
+        # Steps 1 to 3 go a chunk of sessions at a time: the app takes in the first
+        # handoffs while the holder stops the next drains.
+        if len(ids) > _CHUNK:
+            conn.widen_send_buffer()
+        for start in range(0, len(ids), _CHUNK):
+            ready = await _claim_and_stop(conn, ids[start : start + _CHUNK], claims, keep,
+                                          registry, config, nursery)
+            # Step 3: send the fds.
+            for claim in ready:
+                message, fds = _handoff(claim, with_journal)
+                layouts[claim.session.id] = message.journal
+                try:
+                    await conn.send(message, fd=fds[0] if len(fds) == 1 else fds)
+                except OSError as exc:
+                    why = f"handoff send failed: {_why(exc)}"
+                    return False  # the peer may hold half a frame: the stream is out of step
 
         # Step 4: wait for the acks.
         pending = {claim.session.id: claim for claim in claims}
@@ -163,10 +141,14 @@ async def retrieve(
                     await conn.send_error("bad_request", f"expected ack for handoff {waited}",
                                           next(iter(pending)) if len(pending) == 1 else None)
                     return True
-                for sid in acks:
-                    acked = pending.pop(sid)
-                    complete(acked.session, conn, registry, keep, layouts[sid])
-                    acked.acked = True
+                with batched():
+                    for sid in acks:
+                        acked = pending.pop(sid)
+                        complete(acked.session, conn, registry, keep, layouts[sid],
+                                 close=False)
+                        acked.acked = True
+                        if not keep:
+                            buried.append(acked.session)
                 if isinstance(reply, protocol.AckMany):
                     await conn.send(protocol.DoneMany(ids=list(acks)))
                 else:
@@ -176,27 +158,77 @@ async def retrieve(
         return True
     finally:
         _put_back_all(claims, registry, nursery, why)
+        for session in buried:
+            registry.let_go(session)  # after `done`: the app need not wait for this
 
 
-async def _claim(conn: Connection, sid: str, registry: Registry) -> Session | None:
-    """The session to hand off, or None after answering why it cannot be."""
+async def _claim_and_stop(
+    conn: Connection, ids: list[str], claims: list[_Claim], keep: bool, registry: Registry,
+    config: Config, nursery: trio.Nursery,
+) -> list[_Claim]:
+    """Steps 1 and 2 for `ids`: answer each that cannot be handed off, claim the others
+    (added to `claims` at once, so that a failure from here on puts them back), stop their
+    drains and sweep. Returns the claims ready to send."""
+    # Step 1: refuse, or claim.
+    ready: list[_Claim] = []
+    refusals: list[tuple[str, str, str]] = []
+    with batched():
+        for sid in ids:
+            session, refusal = _claim(conn, sid, registry)
+            if refusal is not None:
+                refusals.append(refusal)
+                continue
+            assert session is not None
+            claim = _Claim(session, session.state)
+            claims.append(claim)
+            ready.append(claim)
+            session.unsent = session.state  # recorded only at its own send (step 3)
+            session.handoff_id = os.urandom(16).hex()  # visible in `list` while under way
+            session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if we die now
+            session.set_state("handing_off", f"retrieve handoff_id={session.handoff_id} "
+                              f"peer_pid={conn.peer_pid}" + (" into custody" if keep else ""),
+                              persist=False)
+            session.cancel_drain()  # now: not after a checkpoint where it could read
+    for code, text, sid in refusals:
+        await conn.send_error(code, text, sid)
+
+    # Step 2: stop the drains (every one was told to stop already, so they finish
+    # together), then sweep into free space only.
+    with trio.move_on_after(config.drain_stop_budget):
+        for claim in ready:
+            await claim.session.stop_drain()
+            claim.session.pull(overwrite=False)
+    for claim in list(ready):
+        session = claim.session
+        if session.hung_up:
+            claim.prior = "exited"
+        if session.has_drain():
+            # Its drain task did not finish in time. Let it finish in the background
+            # and drain again after it, so the terminal is never left without a reader.
+            ready.remove(claim)
+            claims.remove(claim)
+            _put_back(session, claim.prior, registry, nursery, "drain stop took too long")
+            nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
+            await conn.send_error("drain_stop_timeout",
+                                  f"could not stop draining {session.name} in time",
+                                  session.id)
+    return ready
+
+
+def _claim(conn: Connection, sid: str, registry: Registry
+           ) -> tuple[Session | None, tuple[str, str, str] | None]:
+    """The session to hand off, or why it cannot be: (code, message, id)."""
     session = registry.get(conn.owner, sid)
     if session is None:
         tomb = registry.tombstone(conn.owner, sid)
         if tomb is not None:
-            await conn.send_error(tomb.state, f"session {conn.owner}/{sid} is {tomb.state}", sid)
-        else:
-            await conn.send_error("unknown", f"no session {conn.owner}/{sid} is known", sid)
-        return None
+            return None, (tomb.state, f"session {conn.owner}/{sid} is {tomb.state}", sid)
+        return None, ("unknown", f"no session {conn.owner}/{sid} is known", sid)
     if session.state == "held":
-        await conn.send_error(
-            "custody_held", f"session {session.name} is still held by its app", sid
-        )
-        return None
+        return None, ("custody_held", f"session {session.name} is still held by its app", sid)
     if session.state == "handing_off":
-        await conn.send_error("busy", f"session {session.name} is being handed off", sid)
-        return None
-    return session
+        return None, ("busy", f"session {session.name} is being handed off", sid)
+    return session, None
 
 
 def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[int]]:
@@ -231,14 +263,14 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
 
 
 def complete(session: Session, conn: Connection, registry: Registry, keep: bool,
-             layout: protocol.Journal | None) -> None:
+             layout: protocol.Journal | None, close: bool = True) -> None:
     """The app acked: the session is its. With `keep` the holder keeps its copy and the
     session is held by `conn` (the app journals into it if `layout` was granted); without,
-    the holder's copy is closed."""
+    the holder's copy is closed (by the caller, with `registry.let_go`, if not `close`)."""
     handoff_id = session.handoff_id
     registry.handoffs += 1
     if not keep:
-        registry.bury(session, "handed_off", f"acked handoff_id={handoff_id}")
+        registry.bury(session, "handed_off", f"acked handoff_id={handoff_id}", close)
         return
     session.handoff_id = session.handoff_peer_pid = None
     session.adopted_handoff = False
@@ -248,8 +280,8 @@ def complete(session: Session, conn: Connection, registry: Registry, keep: bool,
         journal.begin(session)
     else:
         session.ring.consume()  # delivered: the next replay starts where this one ended
-    session.set_state("held", f"acked handoff_id={handoff_id} into custody")
-    session.take_custody(conn, f"retrieved into custody by conn={conn.number}")
+    session.set_state("held", f"acked handoff_id={handoff_id} into custody", persist=False)
+    session.take_custody(conn, f"retrieved into custody by conn={conn.number}")  # persists
     conn.custodian = True
 
 

@@ -91,16 +91,18 @@ class Registry:
         self.store.remove(session_name(session.token))
         session.close()
 
-    def bury(self, session: Session, state: str, reason: str) -> None:
+    def bury(self, session: Session, state: str, reason: str, close: bool = True) -> None:
         """End a live session: close the holder's copy (and the store's) and keep a
-        tombstone. The drain must have been stopped first."""
+        tombstone. The drain must have been stopped first. With `close` False the caller
+        lets go of the copies itself, soon, with `let_go` (a handoff answers the app
+        first)."""
         assert self.live.get(session.key) is session, "bury only the live session itself"
         info = session.info(liveness=False)  # (a tombstone's is asked afresh: `_fresh`)
         # The state file says it ended before the store is told to drop it: a holder that
         # finds it stored anyway (the removal did not get out) knows not to adopt it.
         session.set_state(state, reason)
-        self.store.remove(session_name(session.token))
-        session.close()
+        if close:
+            self.let_go(session)
         info.state = state  # type: ignore[assignment]
         info.state_since = session.state_since
         info.buffered_bytes = 0
@@ -110,6 +112,11 @@ class Registry:
         self.tombstones[session.key] = (info, session.child_start_time)
         while len(self.tombstones) > self.max_tombstones:
             self.tombstones.popitem(last=False)
+
+    def let_go(self, session: Session) -> None:
+        """Close a buried session's copies: the holder's, and the store's."""
+        self.store.remove(session_name(session.token))
+        session.close()
 
     def sessions(self, owner: str | None) -> list[SessionInfo]:
         """Live sessions and tombstones of `owner` (every owner if None)."""

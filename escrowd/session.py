@@ -193,10 +193,12 @@ class Session:
     def log(self, event: str, **fields: object) -> None:
         log(event, session=self.name, **fields)
 
-    def set_state(self, state: str, reason: str) -> None:
+    def set_state(self, state: str, reason: str, persist: bool = True) -> None:
+        """Change state, log it, and (unless the caller records it itself) persist it."""
         if state != self.state:
             self.state, self.state_since = state, time.time()
-            self.persist()
+            if persist:
+                self.persist()
             self.log("state", state=state, reason=reason)
 
     def info(self, liveness: bool = True) -> SessionInfo:
@@ -274,13 +276,15 @@ class Session:
 
     def cancel_drain(self) -> None:
         """Ask the drain task to stop; `stop_drain` waits for it."""
-        if self._drain_scope is not None:
+        if self._drain_scope is not None and not self._drain_scope.cancel_called:
             self._drain_scope.cancel()
 
     async def stop_drain(self) -> None:
-        """Stop the drain task and wait until it has really finished (idempotent)."""
+        """Stop the drain task and wait until it has really finished (idempotent). No
+        checkpoint if it has finished already: a handoff of many sessions cancels them all
+        first, and they all finish in the one scheduling round the first wait gives."""
         self.cancel_drain()
-        if self._drain_done is not None:
+        if self._drain_done is not None and not self._drain_done.is_set():
             await self._drain_done.wait()
         self._drain_scope = self._drain_done = None
 

@@ -57,6 +57,7 @@ _SLOTS = ((64, SMALL_SLOT), (64 + SMALL_SLOT, SMALL_SLOT),
           (PAGE, BIG_SLOT), (PAGE + BIG_SLOT, BIG_SLOT))
 DATA_OFFSET = PAGE + 2 * BIG_SLOT
 _SLOT_HEAD = struct.Struct("=QII")  # sequence number, payload length, CRC-32
+_SMALL_PAYLOAD = SMALL_SLOT - _SLOT_HEAD.size
 # The most one read into the ring may write (a pty read returns at most about 4 KiB):
 # after an unclean stop, at most this much of a full ring can have been overwritten
 # uncounted.
@@ -224,12 +225,15 @@ class StateFile(Generic[R]):
         the newest. A kill at any point leaves either record readable."""
         payload = _encoder.encode(record)
         newest = self._newest_slot
-        fits = [i for i, (_, size) in enumerate(_SLOTS)
-                if i != newest and _SLOT_HEAD.size + len(payload) <= size]
-        if not fits:
-            raise ValueError(f"a record of {len(payload)} bytes does not fit a slot")
-        # Prefer page 0 (already resident), and the slot written longest ago.
-        target = min(fits, key=lambda i: (i >= 2, self._slot_seq.get(i, -1)))
+        if newest in (0, 1) and len(payload) <= _SMALL_PAYLOAD:
+            target = 1 - newest  # the usual case, said short: it runs at every change
+        else:
+            fits = [i for i, (_, size) in enumerate(_SLOTS)
+                    if i != newest and _SLOT_HEAD.size + len(payload) <= size]
+            if not fits:
+                raise ValueError(f"a record of {len(payload)} bytes does not fit a slot")
+            # Prefer page 0 (already resident), and the slot written longest ago.
+            target = min(fits, key=lambda i: (i >= 2, self._slot_seq.get(i, -1)))
         seq = self._seq + 1
         offset, _ = _SLOTS[target]
         head_at, body_at = offset, offset + _SLOT_HEAD.size

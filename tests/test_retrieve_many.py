@@ -219,3 +219,39 @@ def test_a_custodian_the_holder_drops_keeps_its_sessions_held(
             assert again.receive()[0] == protocol.Deposited(id="mine")  # a resume
             assert states(client)["mine"] == "held"
     wait_for(lambda: states(client)["mine"] == "draining", 10, "custody ended by the app")
+
+
+def test_more_sessions_than_go_out_at_a_time(holder: HolderProcess) -> None:
+    """The holder claims, stops and sends a chunk of sessions at a time. A peer that takes
+    the handoffs of the first chunks and hangs up leaves every session draining again (sent
+    or not, claimed or not yet), each with its replay; a peer that takes them all gets them
+    all, and a refusal in a later chunk is answered in its turn."""
+    many = [f"m{i:03d}" for i in range(100)]
+    pairs = {sid: os.openpty() for sid in many}
+    try:
+        client = escrow(holder, pairs)
+        with RawClient(holder.socket) as raw:
+            raw.hello()
+            raw.send(protocol.RetrieveMany(ids=many))
+            handoffs(raw, 40)  # past the first chunk, then gone
+        wait_for(lambda: set(states(client).values()) == {"draining"}, 10, "all put back")
+        with RawClient(holder.socket) as raw:
+            raw.hello()
+            asked = many[:70] + ["nope"] + many[70:]
+            raw.send(protocol.RetrieveMany(ids=asked))
+            answers = [raw.receive() for _ in asked]
+            got = {a.session.id: (a, fd) for a, fd in answers
+                   if isinstance(a, protocol.Handoff)}
+            assert [a.id for a, _ in answers if isinstance(a, protocol.Error)] == ["nope"]
+            assert {sid: a.replay for sid, (a, _) in got.items()} == {
+                sid: f"replay of {sid}\r\n".encode() for sid in many}
+            raw.send(protocol.AckMany(acks={sid: a.handoff_id for sid, (a, _) in got.items()}))
+            assert raw.receive()[0] == protocol.DoneMany(ids=list(got))
+            for _, fd in got.values():
+                assert fd is not None
+                os.close(fd)
+        assert set(states(client).values()) == {"handed_off"}
+    finally:
+        for master, slave in pairs.values():
+            os.close(master)
+            os.close(slave)
