@@ -10,7 +10,9 @@ test can SIGKILL it:
 
 Either way it then reads the session for as long as it lives (through `Custody.read`, which
 records into the journal when there is one), appending what it reads to OUT, and prints
-`ready <child pid> <replay_journaled>` once custody is confirmed.
+`ready <child pid> <replay_journaled>` once custody is confirmed. It waits for the terminal
+with select before each read; with `--blocking` it waits in the read instead. With `--idle`
+the shell prints 20 lines and then nothing.
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ import termios
 from escrow_client import EscrowClient
 
 TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.01; done"]
+TWENTY = ["sh", "-c", "i=0; while [ $i -lt 20 ]; do i=$((i+1)); echo L$i; done; exec sleep 600"]
 
 
 def main() -> None:
     socket_path, sid, out_path, mode = sys.argv[1:5]
     journal = "--journal" in sys.argv[5:]
+    blocking = "--blocking" in sys.argv[5:]
     custody = EscrowClient("com.example.term", socket_path=socket_path).custody()
     journaled = 0
     if mode == "new":
         master, slave = os.openpty()
         child = subprocess.Popen(  # its terminal's session leader: SIGHUP if it hangs up
-            TICKER, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+            TWENTY if "--idle" in sys.argv[5:] else TICKER, stdin=slave, stdout=slave,
+            stderr=slave, start_new_session=True,
             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
         os.close(slave)
         custody.deposit(sid, master, child_pid=child.pid, journal=journal)
@@ -55,7 +60,7 @@ def main() -> None:
     signal.signal(signal.SIGUSR1, lambda *_: paused.append(True))
     with open(out_path, "ab", buffering=0) as out:
         while not paused:
-            if select.select([master], [], [], 0.05)[0]:
+            if blocking or select.select([master], [], [], 0.05)[0]:
                 out.write(custody.read(sid))
     with open(out_path + ".paused", "w"):
         pass

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from screens import gone, run_tmux, wait_for_screen
 
 from conftest import OWNER, HolderProcess, PtyChild, require_program, wait_for
 from escrow_client import SessionInfo
@@ -41,13 +42,6 @@ TIMEOUT = 10.0
 INNER_BASH = f"env PS1={shlex.quote(INNER)} HISTFILE=/dev/null bash --norc --noprofile -i"
 # Typed into a session's bash: a background job printing numbered lines, 20 a second.
 NUMBERED = "(i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.05; done) &"
-
-
-def gone(proc: psutil.Process) -> bool:
-    try:
-        return bool(proc.status() == psutil.STATUS_ZOMBIE)  # nobody here may reap an orphan
-    except psutil.NoSuchProcess:
-        return True
 
 
 def session(holder: HolderProcess, sid: str, owner: str = RUN_OWNER) -> SessionInfo | None:
@@ -86,17 +80,8 @@ class Pane:
 
     def wait_screen(self, check: Callable[[str], object], what: str,
                     history: bool = False, join: bool = True) -> str:
-        screens = [""]
-
-        def shown() -> object:
-            screens[0] = self.capture(history, join)
-            return check(screens[0])
-
-        try:
-            wait_for(shown, TIMEOUT, what)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; the pane {self.name} shows:\n{screens[0]}") from None
-        return screens[0]
+        return wait_for_screen(lambda: self.capture(history, join), check, what, TIMEOUT,
+                               f"the pane {self.name}")
 
     def wait_text(self, *texts: str, history: bool = False) -> str:
         return self.wait_screen(lambda s: all(t in s for t in texts),
@@ -143,10 +128,7 @@ class Tmux:
         self.server: psutil.Process | None = None
 
     def tmux(self, *args: str) -> str:
-        return subprocess.run(
-            ["tmux", "-S", self.socket, "-f", "/dev/null", *args], env=self.env, check=True,
-            capture_output=True, text=True, timeout=10,
-        ).stdout
+        return run_tmux(self.socket, self.env, *args)
 
     def pane(self, name: str, cols: int = 80, rows: int = 24) -> Pane:
         """A new pane of `cols` x `rows` (no status line), at bash's prompt."""

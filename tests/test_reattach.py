@@ -54,11 +54,13 @@ class App:
         wait_for(lambda: len(numbered_lines(self.read())) >= count, 15,
                  f"{count} lines read by the app")
 
-    def kill(self) -> None:
+    def kill(self, where_it_is: bool = False) -> None:
         """SIGKILL, once the app has written out everything it read (it stops reading on
-        SIGUSR1), so that what it read is exactly what `read()` gives."""
-        self.proc.send_signal(signal.SIGUSR1)
-        wait_for(lambda: Path(f"{self.out}.paused").exists(), 10, "the app to pause")
+        SIGUSR1), so that what it read is exactly what `read()` gives; with `where_it_is`,
+        at once."""
+        if not where_it_is:
+            self.proc.send_signal(signal.SIGUSR1)
+            wait_for(lambda: Path(f"{self.out}.paused").exists(), 10, "the app to pause")
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -163,6 +165,29 @@ def test_the_journal_brings_back_what_was_printed_before_the_crash(
         assert numbers == list(range(1, len(numbers) + 1))
         custody.release("tab")
     os.close(third.fd)
+
+
+def test_an_app_killed_waiting_in_a_journaled_read_leaves_a_gap_and_drops_nothing(
+    holder: HolderProcess, apps: Callable[..., App]
+) -> None:
+    """An app that waits for output inside `Custody.read` (journal on) is SIGKILLed there.
+    The holder cannot know whether that read had taken bytes off the terminal, so the spot
+    is marked as a gap; nothing the app recorded is dropped: the replay is every line from
+    L1, and the gap is at its end, where the app's reads stopped."""
+    client = holder.client()
+    app = apps("app", "new", "--journal", "--idle", "--blocking")
+    app.wait_lines(20)
+    wait_for(lambda: app.read().endswith(b"L20\r\n"), 15, "the app to read all 20 lines")
+    app.kill(where_it_is=True)  # in its read, waiting for more
+    wait_for(lambda: state_of(client, "tab") == "draining", 15, "custody to end")
+    with client.custody() as custody:
+        retrieved = custody.retrieve("tab")
+        expected = b"".join(f"L{i}\r\n".encode() for i in range(1, 21))
+        assert retrieved.replay == expected == app.read()
+        assert retrieved.replay_journaled == len(expected)
+        assert retrieved.session.replay_gaps == [len(expected)]
+        custody.release("tab")
+    os.close(retrieved.fd)
 
 
 def test_without_the_journal_the_replay_is_what_the_holder_drained(

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from screens import gone, run_tmux, wait_for_screen
 
 from conftest import HolderProcess, PtyChild, require_program, wait_for
 from escrow_client import repaint
@@ -39,13 +40,6 @@ APP = str(Path(__file__).with_name("screenapp.py"))
 COLS, ROWS = 100, 30
 PROMPT = "escrow-ps1$ "
 SCREEN_TIMEOUT = 10.0
-
-
-def gone(proc: psutil.Process) -> bool:
-    try:
-        return bool(proc.status() == psutil.STATUS_ZOMBIE)  # nobody here may reap an orphan
-    except psutil.NoSuchProcess:
-        return True
 
 
 # Prints the size each time it gets SIGWINCH.
@@ -114,27 +108,14 @@ class Screen:
         self.launches = 0
 
     def tmux(self, *args: str) -> str:
-        return subprocess.run(
-            ["tmux", "-S", self.socket, "-f", "/dev/null", *args], env=self.env, check=True,
-            capture_output=True, text=True, timeout=10,
-        ).stdout
+        return run_tmux(self.socket, self.env, *args)
 
     def capture(self) -> str:
         return self.tmux("capture-pane", "-p", "-t", "app")
 
     def wait_screen(self, check: Callable[[str], bool], what: str) -> str:
         """The pane's text once `check` accepts it."""
-        screens = [""]
-
-        def shown() -> bool:
-            screens[0] = self.capture()
-            return check(screens[0])
-
-        try:
-            wait_for(shown, SCREEN_TIMEOUT, what)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; the pane shows:\n{screens[0]}") from None
-        return screens[0]
+        return wait_for_screen(self.capture, check, what, SCREEN_TIMEOUT)
 
     def wait_text(self, *texts: str) -> str:
         return self.wait_screen(lambda s: all(t in s for t in texts), f"the pane to show {texts}")
