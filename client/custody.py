@@ -184,7 +184,8 @@ class Custody:
     def record(self, session_id: str, data: bytes | bytearray | memoryview) -> None:
         """Append what the app read from the session's terminal to its replay (one copy
         into shared memory). Nothing happens for a session without a journal. Call it
-        for every read, in order, and only while this custody is open."""
+        for every read, in order, and only while this custody is open. (A crash between
+        the app's read and this call loses that read unmarked; `read` marks it.)"""
         kept = self._kept.get(session_id)
         writer = kept.journal if kept is not None else None
         if writer is not None:
@@ -192,7 +193,9 @@ class Custody:
 
     def read(self, session_id: str, size: int = 65536) -> bytes:
         """Read from the session's terminal and record it: `os.read` on the master (with
-        its blocking mode), then `record`. EIO once the terminal hung up, as os.read."""
+        its blocking mode), then `record`, the read marked in flight in between so that a
+        crash there leaves a gap marked in the replay. EIO once the terminal hung up, as
+        os.read."""
         kept = self._kept.get(session_id)
         if kept is None:
             raise errors.SessionUnknown(f"session {session_id} is not held by this custody",
@@ -280,23 +283,20 @@ class Custody:
         # holder that went away is the watcher's to notice (the socket hangs up).
         return self._usable_channel().call(message, Deadline(self._client.timeout), fd=fd)
 
-    def _read_marker(self) -> bool:
-        """Whether the holder reads a journal's `reading` mark (section 10.6)."""
-        channel = self._channel
-        return channel is not None and "journal_reading" in channel.welcome.features
-
-    def _set_journal(self, kept: _Kept, reply: protocol.Response, fds: list[int]) -> None:
-        """Map the state file a `deposited` carried (replacing an earlier mapping: a new
-        holder may have given a new file). Without one, the session has no journal."""
+    def _set_journal(self, kept: _Kept, reply: protocol.Response, fds: list[int],
+                     channel: Channel | None = None) -> None:
+        """Map the state file a `deposited` carried on `channel` (this custody's, unless
+        given) (replacing an earlier mapping: a new holder may have given a new file).
+        Without one, the session has no journal."""
         layout = reply.journal if isinstance(reply, protocol.Deposited) else None
         writer = kept.journal
+        marks = _read_marker(channel or self._channel)
         try:
             if layout is not None and fds:
                 if writer is not None:
-                    # The same writer: no record lost.
-                    writer.remap(fds.pop(0), layout, self._read_marker())
+                    writer.remap(fds.pop(0), layout, marks)  # the same writer: none lost
                 else:
-                    writer = JournalWriter(fds.pop(0), layout, self._read_marker())
+                    writer = JournalWriter(fds.pop(0), layout, marks)
             elif writer is not None:
                 writer.close()  # no journal on this holder: we must not write that ring
                 writer = None
@@ -319,7 +319,8 @@ class Custody:
             if result.journal is not None and result.journal_fd is not None:
                 fd, result.journal_fd = result.journal_fd, None
                 try:
-                    kept.journal = JournalWriter(fd, result.journal, self._read_marker())
+                    kept.journal = JournalWriter(fd, result.journal,
+                                                 _read_marker(self._channel))
                 except JournalError:
                     pass
             self._kept[sid] = kept
@@ -411,7 +412,7 @@ class Custody:
                 if self._closing:
                     close_fds(fds)  # close() stopped the journals: they stay stopped
                 else:
-                    self._set_journal(kept, reply, fds)
+                    self._set_journal(kept, reply, fds, channel)
         except BaseException:
             channel.close()
             raise
@@ -453,6 +454,11 @@ class Custody:
             except OSError:
                 pass
         _open.discard(self)
+
+
+def _read_marker(channel: Channel | None) -> bool:
+    """Whether the holder on `channel` reads a journal's `reading` mark (section 10.6)."""
+    return channel is not None and "journal_reading" in channel.welcome.features
 
 
 def _needs(channel: Channel, feature: str) -> None:

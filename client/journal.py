@@ -53,6 +53,8 @@ class JournalWriter:
     def __init__(self, fd: int, journal: protocol.Journal, read_marker: bool = True) -> None:
         self._lock = threading.Lock()
         self.read_marker = read_marker
+        self._reads = 0  # reads in flight (several threads may read): marked while any is
+        self._lost = False  # a read ended by an exception after which its bytes may be gone
         self._map(fd, journal)
 
     def remap(self, fd: int, journal: protocol.Journal, read_marker: bool = True) -> None:
@@ -89,6 +91,8 @@ class JournalWriter:
         # We are the only writer from here on: our count is the file's.
         self._total = int(self._counters[0])
         self._position = (journal.position + self._total - journal.total) % self.capacity
+        if self._reads or self._lost:
+            self._counters[2] = self._total + 1  # (a new file: the mark goes on in it)
 
     def record(self, data: bytes | bytearray | memoryview, read: bool = False) -> None:
         """Append `data`: the newest `capacity` bytes of everything recorded are kept.
@@ -96,6 +100,8 @@ class JournalWriter:
         once they are in place)."""
         n = len(data)
         with self._lock:
+            if read:
+                self._reads -= 1
             ring, counters, cap = self._data, self._counters, self.capacity
             if ring is None or counters is None:
                 return  # closed: custody has ended, the holder is the writer now
@@ -110,7 +116,7 @@ class JournalWriter:
             else:
                 self._record_in_parts(memoryview(data).cast("B"), ring, counters, cap)
             if read:
-                counters[2] = 0
+                self._unmark(counters)
 
     def read(self, fd: int, size: int) -> bytes:
         """`os.read(fd, size)` that records what it read. OSError (EAGAIN, EIO) as os.read,
@@ -124,23 +130,35 @@ class JournalWriter:
         if not self.read_marker:
             return self._read_when_readable(fd, size)
         with self._lock:
-            counters = self._counters
-            if counters is None:
+            if self._counters is None:
                 marked = False
             else:
-                counters[2] = self._total + 1
+                self._reads += 1
+                self._counters[2] = self._total + 1
                 marked = True
         if not marked:
             return os.read(fd, size)  # closed: custody ended; nothing is recorded
         try:
             data = os.read(fd, size)  # outside the lock: `close` must not wait for output
-        except BaseException:
-            with self._lock:
+        except OSError:
+            with self._lock:  # nothing was read
+                self._reads -= 1
                 if self._counters is not None:
-                    self._counters[2] = 0
+                    self._unmark(self._counters)
+            raise
+        except BaseException:
+            # (KeyboardInterrupt, say) maybe just after the read returned: what it read may
+            # be lost, so the mark stays for good.
+            with self._lock:
+                self._reads -= 1
+                self._lost = True
             raise
         self.record(data, read=True)
         return data
+
+    def _unmark(self, counters: memoryview) -> None:
+        if self._reads == 0 and not self._lost:
+            counters[2] = 0
 
     def _read_when_readable(self, fd: int, size: int) -> bytes:
         """`read` for a holder that does not read the `reading` mark: the bytes go from

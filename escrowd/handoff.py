@@ -14,14 +14,17 @@ the whole of it:
 3. Restore the app's file status flags, take each fd out of trio's epoll, and send a
    `handoff` per session with its fd attached, each inside `send_deadline`. A replay whose
    ring wrapped starts at a clean boundary (`replay_trimmed`).
+   A `retrieve_many` goes through steps 1 to 3 a chunk of sessions at a time, so that the
+   app takes in the first handoffs while the holder stops the next drains.
 4. Keep the holder's copies, unread, until the app's `ack` for each arrives (inside the ack
    deadline, never shorter than the client's own timeout; one `ack_many` may carry them
    all, answered by one `done_many`). Only then is a session the
    app's: without `keep`, the holder closes its copy and leaves a `handed_off` tombstone;
    with `keep` (retrieve into custody) it keeps its copy and the session is `held` by this
    connection, so that no moment exists in which a crash of the app loses it. Each ack is
-   answered `done`. A sendmsg that succeeded proves only that the kernel queued the fd;
-   the ack proves the app has it.
+   answered `done` (the holder's copies of sessions handed off for good are closed after
+   it: the app need not wait for that). A sendmsg that succeeded proves only that the
+   kernel queued the fd; the ack proves the app has it.
 
 Any failure after step 1 (a send fails, the peer hangs up, an ack never comes, a wrong
 message comes instead) puts every session not yet acked back as it was, on the same fd with
@@ -32,6 +35,7 @@ without an ack.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -48,6 +52,8 @@ from .trim import clean_start
 
 # Sessions claimed, stopped and sent at a time in a `retrieve_many`.
 _CHUNK = 32
+# The least time a chunk's drains get to stop, even once the request's budget is spent.
+_MIN_STOP = 0.05
 
 
 @dataclass
@@ -66,9 +72,11 @@ async def retrieve(
     registry: Registry,
     config: Config,
     nursery: trio.Nursery,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Answer one `retrieve` or `retrieve_many`. Returns False when the connection is no
-    longer usable (a failed send leaves the peer mid-frame) and must be closed.
+    longer usable (a failed send leaves the peer mid-frame) and must be closed. Once
+    `stopping()` (the holder is stopping in order), ids not claimed yet answer `busy`.
 
     Cancellation: if cancelled mid-handoff (the holder is shutting down), every session
     not acked is put back before the cancellation propagates.
@@ -89,12 +97,28 @@ async def retrieve(
     why = "handoff interrupted"
     try:
         # Steps 1 to 3 go a chunk of sessions at a time: the app takes in the first
-        # handoffs while the holder stops the next drains.
+        # handoffs while the holder stops the next drains. One drain-stop budget for the
+        # whole request, as the client's deadline counts on (though each chunk gets a
+        # moment at least: sends took some of it). Once a drain failed to stop in time,
+        # the rest are not tried.
         if len(ids) > _CHUNK:
             conn.widen_send_buffer()
+        stop_by = trio.current_time() + config.drain_stop_budget
+        stuck = False
         for start in range(0, len(ids), _CHUNK):
-            ready = await _claim_and_stop(conn, ids[start : start + _CHUNK], claims, keep,
-                                          registry, config, nursery)
+            chunk = ids[start : start + _CHUNK]
+            if stuck or stopping():
+                for sid in chunk:
+                    if stuck:
+                        await conn.send_error("drain_stop_timeout", "other drains could not "
+                                              "be stopped in time; ask again", sid)
+                    else:
+                        await conn.send_error("busy", "the holder is restarting; ask again",
+                                              sid)
+                continue
+            ready, stuck = await _claim_and_stop(
+                conn, chunk, claims, keep, registry, nursery,
+                max(stop_by, trio.current_time() + min(_MIN_STOP, config.drain_stop_budget)))
             # Step 3: send the fds.
             for claim in ready:
                 message, fds = _handoff(claim, with_journal)
@@ -164,17 +188,18 @@ async def retrieve(
 
 async def _claim_and_stop(
     conn: Connection, ids: list[str], claims: list[_Claim], keep: bool, registry: Registry,
-    config: Config, nursery: trio.Nursery,
-) -> list[_Claim]:
+    nursery: trio.Nursery, stop_by: float,
+) -> tuple[list[_Claim], bool]:
     """Steps 1 and 2 for `ids`: answer each that cannot be handed off, claim the others
     (added to `claims` at once, so that a failure from here on puts them back), stop their
-    drains and sweep. Returns the claims ready to send."""
+    drains by `stop_by` (trio's clock) and sweep. Returns the claims ready to send, and
+    whether a drain could not be stopped in time."""
     # Step 1: refuse, or claim.
     ready: list[_Claim] = []
     refusals: list[tuple[str, str, str]] = []
     with batched():
         for sid in ids:
-            session, refusal = _claim(conn, sid, registry)
+            session, refusal = _claim(conn, sid, registry, nursery)
             if refusal is not None:
                 refusals.append(refusal)
                 continue
@@ -194,31 +219,46 @@ async def _claim_and_stop(
 
     # Step 2: stop the drains (every one was told to stop already, so they finish
     # together), then sweep into free space only.
-    with trio.move_on_after(config.drain_stop_budget):
+    with trio.move_on_at(stop_by):
         for claim in ready:
             await claim.session.stop_drain()
             claim.session.pull(overwrite=False)
+    stuck = False
     for claim in list(ready):
         session = claim.session
         if session.hung_up:
             claim.prior = "exited"
         if session.has_drain():
-            # Its drain task did not finish in time. Let it finish in the background
-            # and drain again after it, so the terminal is never left without a reader.
+            # Its drain task did not finish in time: it drains again once it has.
+            stuck = True
             ready.remove(claim)
             claims.remove(claim)
             _put_back(session, claim.prior, registry, nursery, "drain stop took too long")
-            nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
             await conn.send_error("drain_stop_timeout",
                                   f"could not stop draining {session.name} in time",
                                   session.id)
-    return ready
+    return ready, stuck
 
 
-def _claim(conn: Connection, sid: str, registry: Registry
+def _claim(conn: Connection, sid: str, registry: Registry, nursery: trio.Nursery
            ) -> tuple[Session | None, tuple[str, str, str] | None]:
     """The session to hand off, or why it cannot be: (code, message, id)."""
     session = registry.get(conn.owner, sid)
+    if (session is not None and session.state == "handing_off" and session.adopted_handoff
+            and session.handoff_peer_pid is not None
+            and session.handoff_peer_pid == conn.peer_pid):
+        # A handoff that a holder which then died began for this very process, which asks
+        # for the session again: that fd never reached it (a client that got it acks it,
+        # on a new connection, rather than ask again), or the holder died before sending
+        # it. That handoff is over: without this, the session stayed unread for as long as
+        # the app lived.
+        if session.watch_scope is not None:
+            session.watch_scope.cancel()
+        session.adopted_handoff = False
+        session.handoff_id = session.handoff_peer_pid = None
+        registry.handoffs_failed += 1
+        session.start_drain(nursery, "its client asked for it again: the handoff a stopped "
+                            "holder began never reached it")
     if session is None:
         tomb = registry.tombstone(conn.owner, sid)
         if tomb is not None:
@@ -306,7 +346,10 @@ def _put_back(
     if prior == "exited":
         session.set_state("exited", reason)
     elif session.has_drain():
-        session.set_state("draining", reason)  # _drain_again_when_stopped takes it on
+        # Its drain was told to stop and has not finished yet: let it finish, then drain
+        # again, so that the terminal is never left without a reader.
+        session.set_state("draining", reason)
+        nursery.start_soon(_drain_again_when_stopped, session, registry, nursery)
     else:
         session.start_drain(nursery, reason)
 

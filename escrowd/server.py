@@ -391,7 +391,7 @@ class Holder:
                     await self._deposit(conn, request, fd)
                 case protocol.Retrieve() | protocol.RetrieveMany():
                     if not await handoff.retrieve(conn, request, self.registry, self.config,
-                                                  self.nursery):
+                                                  self.nursery, lambda: self.stopping):
                         return
                 case protocol.Update():
                     await self._update(conn, request)

@@ -321,3 +321,29 @@ def test_a_timed_out_custody_call_keeps_custody_and_gets_back_in_step(
         for m, sl in masters:
             os.close(m)
             os.close(sl)
+
+
+def test_a_journal_still_marks_its_reads_after_the_holder_restarts(
+    make_holder: Callable[..., HolderProcess],
+) -> None:
+    """Found in review: custody taken back on a restarted holder remapped the journal as if
+    the new holder did not read the `reading` mark (it looked at the connection being
+    replaced, not the new one), so the app went back to waiting for the terminal before
+    each read, at a quarter more CPU."""
+    holder = make_holder(keeper=True)
+    master, slave = os.openpty()
+    custody = EscrowClient("com.example.term", socket_path=holder.socket).custody()
+    try:
+        custody.deposit("tab", master, journal=True)
+        writer = custody._kept["tab"].journal  # noqa: SLF001 (the journal it writes)
+        assert writer is not None and writer.read_marker
+        old = custody._channel  # noqa: SLF001
+        kill_serving_holder(holder)
+        wait_for(lambda: custody._channel not in (None, old) and custody.protected,  # noqa: SLF001
+                 15.0, "custody taken back on the next holder")
+        assert custody._kept["tab"].journal is writer  # noqa: SLF001 (remapped, the same)
+        assert writer.read_marker
+    finally:
+        custody.close()
+        os.close(master)
+        os.close(slave)

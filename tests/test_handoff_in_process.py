@@ -56,6 +56,9 @@ class RecordingConnection:
     async def send_error(self, code: str, message: str, sid: str | None = None) -> None:
         await self.send(protocol.Error(code=code, message=message, id=sid))
 
+    def widen_send_buffer(self) -> None:
+        pass
+
     async def receive(self, max_body: int) -> tuple[protocol.Request, int | None]:
         return await self._reply(self), None
 
@@ -290,3 +293,144 @@ async def test_a_batch_records_each_handoff_only_as_its_fd_leaves() -> None:
         for master, slave in ptys:
             os.close(master)
             os.close(slave)
+
+
+# --- many sessions, a chunk at a time ------------------------------------------------------
+
+
+@contextmanager
+def many_escrowed(count: int) -> Iterator[tuple[Registry, list[Session], list[int]]]:
+    """A registry of `count` sessions "m0".. on real PTYs (raw), and the slaves."""
+    registry = Registry(max_sessions=count, ring_bytes=1 << 16, total_ring_bytes=1 << 30,
+                        max_tombstones=count)
+    ptys = [os.openpty() for _ in range(count)]
+    sessions = []
+    try:
+        for i, (master, slave) in enumerate(ptys):
+            tty.setraw(slave)
+            s = Session(OWNER, protocol.Deposit(id=f"m{i}"), os.dup(master),
+                        registry.new_ring(), custodian=None, custodian_pid=None,
+                        child_start_time=None)
+            registry.add(s)
+            sessions.append(s)
+        yield registry, sessions, [slave for _, slave in ptys]
+    finally:
+        for master, slave in ptys:
+            os.close(master)
+            os.close(slave)
+
+
+async def test_a_refusal_that_cannot_be_sent_leaves_every_claim_draining() -> None:
+    """Found in review: a `retrieve_many` claims a chunk's sessions (telling their drains to
+    stop) before it sends the chunk's refusals; a refusal whose send failed (the app hung
+    up) put the claimed sessions back `draining` with their drain stopped and none started:
+    nobody read those terminals any more, and their programs blocked once they filled."""
+
+    class HungUp(RecordingConnection):
+        async def send(self, message: protocol.Message, fd: int | None = None) -> None:
+            raise BrokenPipeError("the app hung up")
+
+    with many_escrowed(2) as (registry, sessions, slaves):
+        async with trio.open_nursery() as nursery:
+            for s in sessions:
+                s.start_drain(nursery, "custodian gone")
+            request = protocol.RetrieveMany(ids=["nope", "m0", "m1"])
+            try:
+                await handoff.retrieve(HungUp(), request, registry, CONFIG, nursery)  # type: ignore[arg-type]
+            except BrokenPipeError:
+                pass
+            assert [s.state for s in sessions] == ["draining", "draining"]
+            for slave in slaves:
+                os.write(slave, b"still read\n")
+            await until(lambda: all(s.ring.contents() == b"still read\n" for s in sessions),
+                        "a drain to read each terminal again")
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_holder_that_starts_stopping_answers_busy_for_chunks_not_begun() -> None:
+    """Once the holder is stopping in order, a `retrieve_many` claims no more: the ids of
+    chunks not begun are answered `busy`, and the handoffs already sent go on to their
+    acks."""
+    asked = []
+
+    def stopping() -> bool:
+        asked.append(True)
+        return len(asked) > 1  # from the second chunk on
+
+    async def ack_all(conn: RecordingConnection) -> protocol.Request:
+        return protocol.AckMany(acks={m.session.id: m.handoff_id for m in conn.sent
+                                      if isinstance(m, protocol.Handoff)})
+
+    with many_escrowed(40) as (registry, sessions, _):
+        conn = RecordingConnection(ack_all)
+        async with trio.open_nursery() as nursery:
+            for s in sessions:
+                s.start_drain(nursery, "custodian gone")
+            request = protocol.RetrieveMany(ids=[s.id for s in sessions])
+            assert await handoff.retrieve(conn, request, registry, CONFIG, nursery,  # type: ignore[arg-type]
+                                          stopping)
+            handed = [m.session.id for m in conn.sent if isinstance(m, protocol.Handoff)]
+            busy = [m.id for m in conn.sent if isinstance(m, protocol.Error)]
+            assert handed == [f"m{i}" for i in range(32)]
+            assert busy == [f"m{i}" for i in range(32, 40)]
+            assert {e.code for e in conn.sent if isinstance(e, protocol.Error)} == {"busy"}
+            assert [s.state for s in sessions[32:]] == ["draining"] * 8
+            assert all(s.has_drain() for s in sessions[32:])
+            nursery.cancel_scope.cancel()
+        conn.close_app_fds()
+
+
+async def test_once_a_drain_cannot_stop_in_time_later_chunks_are_not_tried() -> None:
+    """One drain-stop budget for a whole `retrieve_many`: a chunk whose drains did not stop
+    in it is answered `drain_stop_timeout` (each session draining on), and so is every later
+    chunk, untried. A budget of a microsecond makes every stop too slow."""
+    config = Config(socket_path="unused", drain_stop_budget=0.000001, send_deadline=1.0,
+                    ack_deadline=2.0)
+    with many_escrowed(40) as (registry, sessions, slaves):
+        conn = RecordingConnection()
+        async with trio.open_nursery() as nursery:
+            for s in sessions:
+                s.start_drain(nursery, "custodian gone")
+            request = protocol.RetrieveMany(ids=[s.id for s in sessions])
+            assert await handoff.retrieve(conn, request, registry, config, nursery)  # type: ignore[arg-type]
+            assert [(m.code, m.id) for m in conn.sent if isinstance(m, protocol.Error)] == [
+                ("drain_stop_timeout", f"m{i}") for i in range(40)]
+            assert [s.state for s in sessions] == ["draining"] * 40
+            assert registry.handoffs_failed == 32  # only the first chunk was claimed
+            # Claimed or not, each is read again.
+            for slave in (slaves[0], slaves[39]):
+                os.write(slave, b"read on\n")
+            await until(lambda: sessions[0].ring.contents() == b"read on\n"
+                        and sessions[39].ring.contents() == b"read on\n",
+                        "the drains to read on")
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_adopted_handoff_asked_for_again_by_its_client_is_handed_off_anew() -> None:
+    """Seen in a chaos run: a holder recorded `handing_off` and was SIGKILLed before the
+    fd left; the next holder waited for an ack from that client, which was alive, never
+    got the fd and so could never ack: every retrieve it made was answered `busy`, and
+    nothing read the terminal. The same process asking again ends that handoff; another
+    process still gets `busy`."""
+    with raw_pty() as (master, slave):
+        registry, session = escrowed(master)
+        session.set_state("handing_off", "adopted")
+        session.adopted_handoff = True
+        session.handoff_id, session.handoff_peer_pid = "begun-by-the-dead-holder", os.getpid()
+        os.write(slave, b"printed meanwhile\n")
+        other = RecordingConnection()
+        other.peer_pid = 1
+        conn = RecordingConnection()
+        try:
+            async with trio.open_nursery() as nursery:
+                assert await handoff.retrieve(other, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
+                assert [(m.code, m.id) for m in other.sent] == [("busy", SID)]  # type: ignore[attr-defined]
+                assert session.adopted_handoff and session.state == "handing_off"
+                assert await handoff.retrieve(conn, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
+            sent = conn.handoff()
+            assert sent.handoff_id != "begun-by-the-dead-holder"
+            assert sent.replay == b"printed meanwhile\n"
+            assert registry.tombstone(OWNER, SID).state == "handed_off"  # type: ignore[union-attr]
+            assert registry.handoffs_failed == 1
+        finally:
+            conn.close_app_fds()

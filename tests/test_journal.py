@@ -215,3 +215,37 @@ def test_a_read_that_fails_records_nothing_and_leaves_no_mark(session: Session,
     journal.end(session)
     assert session.ring.contents() == b"before"
     assert session.replay_gaps == []
+
+
+def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> None:
+    """Found in review: with two threads reading, the first read to finish cleared the
+    mark while the second was still waiting."""
+    writer = writer_for(session)
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    state = session.ring.state
+    got: list[bytes] = []
+    readers = [threading.Thread(target=lambda: got.append(writer.read(master, 1)))
+               for _ in range(2)]
+    try:
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 10
+        while writer._reads < 2:  # noqa: SLF001 (both are in their read)
+            assert time.monotonic() < deadline, "the reads did not start"
+            time.sleep(0.001)
+        os.write(slave, b"a")
+        while len(got) < 1:
+            assert time.monotonic() < deadline, "no read returned"
+            time.sleep(0.001)
+        assert state.reading  # the other read is still in flight
+        os.write(slave, b"b")
+        for reader in readers:
+            reader.join(10)
+    finally:
+        os.close(master)
+        os.close(slave)
+        writer.close()
+    assert sorted(got) == [b"a", b"b"] and not state.reading
+    journal.end(session)
+    assert session.ring.contents() in (b"ab", b"ba") and session.replay_gaps == []
