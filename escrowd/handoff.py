@@ -165,14 +165,14 @@ async def retrieve(
                     await conn.send_error("bad_request", f"expected ack for handoff {waited}",
                                           next(iter(pending)) if len(pending) == 1 else None)
                     return True
-                with batched():
-                    for sid in acks:
-                        acked = pending.pop(sid)
-                        complete(acked.session, conn, registry, keep, layouts[sid],
-                                 close=False)
-                        acked.acked = True
-                        if not keep:
-                            buried.append(acked.session)
+                # (Not `batched`: each completion is logged right after it is recorded, as
+                # a kill between the two would leave it recorded and never logged.)
+                for sid in acks:
+                    acked = pending.pop(sid)
+                    complete(acked.session, conn, registry, keep, layouts[sid], close=False)
+                    acked.acked = True
+                    if not keep:
+                        buried.append(acked.session)
                 if isinstance(reply, protocol.AckMany):
                     await conn.send(protocol.DoneMany(ids=list(acks)))
                 else:
