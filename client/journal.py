@@ -153,7 +153,16 @@ class JournalWriter:
                 self._reads -= 1
                 self._lost = True
             raise
-        self.record(data, read=True)
+        recorded = False
+        try:
+            self.record(data, read=True)
+            recorded = True
+        finally:
+            if not recorded:  # interrupted on the way: what it read may be lost
+                with self._lock:
+                    self._lost = True
+                    if self._counters is not None:
+                        self._counters[2] = self._total + 1
         return data
 
     def _unmark(self, counters: memoryview) -> None:

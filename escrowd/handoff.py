@@ -63,6 +63,7 @@ class _Claim:
 
     session: Session
     prior: str
+    handoff_id: str = ""
     acked: bool = False
 
 
@@ -208,7 +209,7 @@ async def _claim_and_stop(
             claims.append(claim)
             ready.append(claim)
             session.unsent = session.state  # recorded only at its own send (step 3)
-            session.handoff_id = os.urandom(16).hex()  # visible in `list` while under way
+            session.handoff_id = claim.handoff_id = os.urandom(16).hex()  # shown by `list`
             session.handoff_peer_pid = conn.peer_pid  # who may hold the fd if we die now
             session.set_state("handing_off", f"retrieve handoff_id={session.handoff_id} "
                               f"peer_pid={conn.peer_pid}" + (" into custody" if keep else ""),
@@ -245,8 +246,7 @@ def _claim(conn: Connection, sid: str, registry: Registry, nursery: trio.Nursery
     """The session to hand off, or why it cannot be: (code, message, id)."""
     session = registry.get(conn.owner, sid)
     if (session is not None and session.state == "handing_off" and session.adopted_handoff
-            and session.handoff_peer_pid is not None
-            and session.handoff_peer_pid == conn.peer_pid):
+            and session.handoff_peer_pid and session.handoff_peer_pid == conn.peer_pid):
         # A handoff that a holder which then died began for this very process, which asks
         # for the session again: that fd never reached it (a client that got it acks it,
         # on a new connection, rather than ask again), or the holder died before sending
@@ -330,7 +330,9 @@ def _put_back_all(claims: list[_Claim], registry: Registry, nursery: trio.Nurser
     """Every claimed session the app has not acked goes back (before the app is told
     anything, so that what it asks next finds them draining again)."""
     for claim in claims:
-        if not claim.acked:
+        # (Only a handoff still its own: once put back, the session may have been claimed
+        # by another retrieve while this one was sending its error.)
+        if not claim.acked and claim.session.handoff_id == claim.handoff_id:
             _put_back(claim.session, claim.prior, registry, nursery, reason)
 
 

@@ -555,9 +555,11 @@ class Holder:
             await conn.send_error("busy", f"session {session.name} is being handed off", sid)
             return
         await session.stop_drain()
-        if self.registry.get(conn.owner, sid) is not session or session.state == "handing_off":
+        if (self.registry.get(conn.owner, sid) is not session or session.state == "handing_off"
+                or session.has_drain()):
             # A retrieve (or another release) got there while the drain was stopping; the
-            # retrieve owns the session now and drains it again if its handoff fails.
+            # retrieve owns the session now and drains it again if its handoff fails (or
+            # already has: a new drain runs).
             await conn.send_error("busy", f"session {session.name} changed; ask again", sid)
             return
         self.registry.bury(session, "released", f"release from peer_pid={conn.peer_pid}")

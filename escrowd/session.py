@@ -284,9 +284,13 @@ class Session:
         checkpoint if it has finished already: a handoff of many sessions cancels them all
         first, and they all finish in the one scheduling round the first wait gives."""
         self.cancel_drain()
-        if self._drain_done is not None and not self._drain_done.is_set():
-            await self._drain_done.wait()
-        self._drain_scope = self._drain_done = None
+        done = self._drain_done
+        if done is not None and not done.is_set():
+            await done.wait()
+        if self._drain_done is done:
+            # (Else another waiter woke first and has started a new drain: not ours to
+            # forget. The caller checks `has_drain()`.)
+            self._drain_scope = self._drain_done = None
 
     def forget_drain(self) -> None:
         """The nursery the drain ran in has exited (the holder is stopping): the task is

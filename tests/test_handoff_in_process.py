@@ -18,6 +18,7 @@ import tty
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import trio
 import trio.testing
 
@@ -434,3 +435,86 @@ async def test_an_adopted_handoff_asked_for_again_by_its_client_is_handed_off_an
             assert registry.handoffs_failed == 1
         finally:
             conn.close_app_fds()
+
+
+# --- more than one retrieve at a time -------------------------------------------------------
+
+
+async def test_two_retrieves_that_time_out_on_one_slow_stop_leave_one_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: two retrieves that both ran out of the drain-stop budget on the same
+    slow drain each left a task to drain again once it stopped; both woke together, the
+    second forgot the drain the first had started, and started another: two drain tasks on
+    one fd, which takes the holder down."""
+    gate = trio.Event()
+    drain = Session._drain_until_hangup
+
+    async def slow_to_stop(self: Session) -> None:
+        try:
+            await drain(self)
+        finally:
+            if not gate.is_set():
+                with trio.CancelScope(shield=True):
+                    await gate.wait()
+
+    monkeypatch.setattr(Session, "_drain_until_hangup", slow_to_stop)
+    fast = Config(socket_path="unused", drain_stop_budget=0.02, send_deadline=1.0,
+                  ack_deadline=2.0)
+    with raw_pty() as (master, slave):
+        registry, session = escrowed(master)
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(2):
+                conn = RecordingConnection()
+                assert await handoff.retrieve(conn, RETRIEVE, registry, fast, nursery)  # type: ignore[arg-type]
+                assert [m.code for m in conn.sent] == ["drain_stop_timeout"]  # type: ignore[attr-defined]
+            gate.set()
+            await trio.testing.wait_all_tasks_blocked()
+            drains = [t for t in nursery.child_tasks if t.name.endswith("Session._drain")]
+            assert len(drains) == 1 and session.has_drain()
+            os.write(slave, b"read once\n")
+            await until(lambda: session.ring.contents() == b"read once\n", "the one drain")
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_second_put_back_leaves_another_retrieves_handoff_alone() -> None:
+    """Found in review: a retrieve answered with a wrong message puts its session back, and
+    answers `bad_request`; while that answer waited for the app, another retrieve claimed
+    the session, and the first one's final put-back took that handoff from it (the session
+    drained while its fd was on the way, and the right ack was refused)."""
+    sent_error = trio.Event()
+    go_on = trio.Event()
+
+    class SlowToTakeErrors(RecordingConnection):
+        async def send(self, message: protocol.Message, fd: int | None = None) -> None:
+            await super().send(message, fd)
+            if isinstance(message, protocol.Error):
+                sent_error.set()
+                await go_on.wait()  # the app does not read
+
+    async def wrong(conn: RecordingConnection) -> protocol.Request:
+        return protocol.List()
+
+    async def ack_after_the_first_is_done(conn: RecordingConnection) -> protocol.Request:
+        go_on.set()
+        await trio.testing.wait_all_tasks_blocked()  # the first retrieve ends meanwhile
+        return protocol.Ack(id=SID, handoff_id=conn.handoff().handoff_id)
+
+    with raw_pty() as (master, slave):
+        registry, session = escrowed(master)
+        second = RecordingConnection(ack_after_the_first_is_done)
+        second.peer_pid = 4242
+        try:
+            async with trio.open_nursery() as nursery:
+                session.start_drain(nursery, "custodian gone")
+                nursery.start_soon(handoff.retrieve, SlowToTakeErrors(wrong), RETRIEVE,
+                                   registry, CONFIG, nursery)
+                await sent_error.wait()
+                assert session.state == "draining"  # put back at once
+                assert await handoff.retrieve(second, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
+            assert isinstance(second.sent[-1], protocol.Done)
+            assert registry.tombstone(OWNER, SID).state == "handed_off"  # type: ignore[union-attr]
+        finally:
+            second.close_app_fds()

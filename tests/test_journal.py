@@ -249,3 +249,24 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
     assert sorted(got) == [b"a", b"b"] and not state.reading
     journal.end(session)
     assert session.ring.contents() in (b"ab", b"ba") and session.replay_gaps == []
+
+
+def test_a_read_cut_short_on_its_way_into_the_ring_stays_marked(
+    session: Session, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: an exception inside the recording of a read's bytes (a signal's,
+    say; here a str where bytes belong) let the next read clear the mark: the bytes were
+    gone with no gap. Now the mark stays for good, and the holder marks the spot."""
+    from escrow_client import journal as app_side
+
+    writer = writer_for(session)
+    reads = iter(["lost", b"later"])
+    monkeypatch.setattr(app_side.os, "read", lambda fd, n: next(reads))
+    with pytest.raises(TypeError):
+        writer.read(0, 100)
+    assert writer.read(0, 100) == b"later"
+    assert session.ring.state.reading
+    writer.close()
+    journal.end(session)
+    assert session.ring.contents() == b"later"
+    assert session.replay_gaps == [len(b"later")]
