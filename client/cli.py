@@ -681,6 +681,11 @@ exit status:
 """
 
 
+def _add_session_ref(p: argparse.ArgumentParser) -> None:
+    p.add_argument("session", metavar="OWNER/ID", type=_session_ref,
+                   help="the session, as `escrowctl list` shows it")
+
+
 def _add_detach_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detach-key", type=_detach_key, metavar="KEY",
                    default=attach.parse_key(attach.DEFAULT_DETACH_KEY),
@@ -772,8 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make the holder close its copy of a session's terminal (as when the user "
         "closes the tab). If no app holds the terminal either, its programs get SIGHUP.",
     )
-    p.add_argument("session", metavar="OWNER/ID", type=_session_ref,
-                   help="the session, as `escrowctl list` shows it")
+    _add_session_ref(p)
     p.set_defaults(func=cmd_release)
 
     p = sub.add_parser(
@@ -786,8 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
         "session an app holds is left alone: the answer names the pid that holds it. If "
         "the program ends while attached, the session is released.",
     )
-    p.add_argument("session", metavar="OWNER/ID", type=_session_ref,
-                   help="the session, as `escrowctl list` shows it")
+    _add_session_ref(p)
     _add_detach_key(p)
     p.set_defaults(func=cmd_attach)
 

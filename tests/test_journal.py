@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import tty
 from collections.abc import Iterator
 
 import pytest
 
+from conftest import wait_for
 from escrow_client import protocol
 from escrow_client.journal import MAX_WRITE, JournalWriter
 from escrowd import journal
@@ -178,10 +178,7 @@ def test_an_app_killed_with_a_read_in_flight_leaves_a_gap_and_drops_nothing(
     reader = threading.Thread(target=lambda: got.append(writer.read(master, 65536)))
     try:
         reader.start()
-        deadline = time.monotonic() + 10
-        while not state.reading:  # the reader is in its read, marked
-            assert time.monotonic() < deadline, "the read was never marked in flight"
-            time.sleep(0.001)
+        wait_for(lambda: state.reading, 10, "the read to be marked in flight")
         writer.close()  # the app is gone (its read is still waiting)
         journal.end(session)
         os.write(slave, b"lost\n")  # the read returns with bytes the ring never gets
@@ -230,14 +227,9 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
     try:
         for reader in readers:
             reader.start()
-        deadline = time.monotonic() + 10
-        while writer._reads < 2:  # noqa: SLF001 (both are in their read)
-            assert time.monotonic() < deadline, "the reads did not start"
-            time.sleep(0.001)
+        wait_for(lambda: writer._reads == 2, 10, "both reads to start")  # noqa: SLF001
         os.write(slave, b"a")
-        while len(got) < 1:
-            assert time.monotonic() < deadline, "no read returned"
-            time.sleep(0.001)
+        wait_for(lambda: got, 10, "a read to return")
         assert state.reading  # the other read is still in flight
         os.write(slave, b"b")
         for reader in readers:
