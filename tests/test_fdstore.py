@@ -2,7 +2,9 @@
 
 The test owns `$NOTIFY_SOCKET`, as systemd would: it receives every `FDSTORE=1` message
 with its fds, and starts the next holder with them in `LISTEN_FDS`/`LISTEN_FDNAMES`. So it
-can check what goes into the store, and hand a holder a store it has spoilt on purpose.
+can check what goes into the store, hand a holder a store it has spoilt on purpose, stop
+reading it (a manager whose queue is full, as a busy one's is: a Unix datagram queue holds
+as few as 10), or go away.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hostile import read_more_lines
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
-from escrow_client import EscrowClient, fdpass
+from escrow_client import EscrowClient, EscrowError, fdpass
+from escrowd.fdstore import STORE_DEADLINE
 
 TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
 
@@ -49,6 +53,7 @@ class Store:
         self.sock.bind(path)
         self.fds: dict[str, list[int]] = {}
         self.removed: list[str] = []
+        self.fillers: list[socket.socket] = []
 
     def take(self, timeout: float = 0.0) -> None:
         """Everything sent so far (waiting up to `timeout` for the first datagram)."""
@@ -71,9 +76,29 @@ class Store:
                 self.removed.append(fields["FDNAME"])
                 fdpass.close_fds(self.fds.pop(fields["FDNAME"], []))
 
+    def fill(self) -> None:
+        """Fill the queue with datagrams of no meaning (read and ignored by `take`), until
+        nothing more can be sent to it. A socket's own send buffer can run out first: the
+        queue is full once a fresh socket cannot send even one."""
+        while True:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.fillers.append(filler)
+            filler.setblocking(False)
+            filler.connect(self.path)
+            sent = 0
+            try:
+                while True:
+                    filler.send(b"FILLER=1")
+                    sent += 1
+            except BlockingIOError:
+                if sent == 0:
+                    return
+
     def close(self) -> None:
         for fds in self.fds.values():
             fdpass.close_fds(fds)
+        for filler in self.fillers:
+            filler.close()
         self.sock.close()
 
 
@@ -186,3 +211,71 @@ def test_corrupt_or_unpaired_state_is_closed_and_logged_and_the_rest_adopted(
             os.close(r.fd)
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize("spoilt", ["gone", "full"])
+def test_a_deposit_whose_fds_the_store_does_not_take_is_refused(
+    socket_dir: Path, store: Store, pty_children: Callable[..., PtyChild], spoilt: str,
+) -> None:
+    """A store that went away (`gone`: the send is refused at once), or one whose queue
+    stays full past STORE_DEADLINE (`full`): the deposit is answered an error, never
+    `deposited`, since its fds are not safe outside the holder: the app keeps its terminal,
+    knowing it is not protected. Nothing of it stays: `list` shows nothing, and the holder
+    has no fd more than before."""
+    holder = start(socket_dir / "a", store, [])
+    try:
+        store.take(timeout=5.0)
+        holder.baseline_fds = holder.fd_count()
+        if spoilt == "gone":
+            store.sock.close()
+        else:
+            store.fill()
+        kid = pty_children(TICKER)
+        client = holder.client(timeout=STORE_DEADLINE + 5.0)
+        try:
+            client.hand_off("tab", kid.master, child_pid=kid.pid)
+        except EscrowError as exc:
+            assert exc.code == "limit", exc
+        else:
+            pytest.fail(f"a deposit whose fds the store did not take ({spoilt}) was "
+                        "answered deposited")
+        assert client.list() == [], "a refused deposit is listed"
+        holder.wait_fds_at_baseline()
+        read_more_lines(kid.master, b"", 1)  # the app's terminal is still the app's
+        if spoilt == "full":
+            store.take()
+            assert not [n for n in store.fds if n.startswith("session-")], store.fds
+    finally:
+        holder.stop()
+
+
+def test_a_removal_that_finds_the_store_full_is_sent_once_it_has_room(
+    socket_dir: Path, store: Store, pty_children: Callable[..., PtyChild],
+) -> None:
+    """A session released while the store's queue is full: the release is answered at
+    once, and the store is told to drop the session's fds (FDSTOREREMOVE) as soon as its
+    queue has room again. Were the removal dropped, the store would keep the terminal's
+    master for as long as it runs, and the released shell would never get its hangup."""
+    holder = start(socket_dir / "a", store, [])
+    try:
+        kid = pty_children(TICKER)
+        client = holder.client()
+        client.hand_off("tab", kid.master, child_pid=kid.pid)
+        os.close(kid.master)
+        kid.master = -1
+        store.take()
+        (name,) = [n for n in store.fds if n.startswith("session-")]
+        store.fill()
+        client.release("tab")
+        assert kid.proc.poll() is None  # the store still has the terminal
+
+        def removed() -> bool:
+            store.take()  # makes room: the holder sends what waited
+            return name in store.removed
+
+        wait_for(removed, 10.0, "the removal to come once the store's queue had room")
+        assert name not in store.fds
+        # The last copy of the master is gone: the shell got its hangup.
+        assert kid.proc.wait(10) == -signal.SIGHUP
+    finally:
+        holder.stop()
