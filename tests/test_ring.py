@@ -270,6 +270,30 @@ def test_release_returns_the_budget() -> None:
     assert second.contents() == data
 
 
+def test_a_wrapped_ring_that_grows_keeps_its_bytes_in_order() -> None:
+    """A ring that wrapped while out of budget (its newest bytes at the start of its
+    storage, its oldest at the end) grows once budget is free again: the newest part moves
+    up behind the oldest, and the replay stays every held byte, in the order read. Were it
+    not moved, the replay would show the oldest bytes, then whatever the new storage held,
+    in place of the newest."""
+    budget = RingBudget(2 * MIN_CAPACITY)
+    other = Ring(1 << 20, budget)  # holds half the budget while `ring` wraps
+    ring = Ring(4 * MIN_CAPACITY, budget)
+    first, then = stream(20_000, seed=14), stream(3000, seed=15)
+    with pipe() as ends:
+        drain(other, ends, stream(MIN_CAPACITY, seed=16))
+        drain(ring, ends, first, at_most=4096)
+        assert ring.capacity == MIN_CAPACITY  # its fair share: no more
+        # Wrapped: the next byte goes mid-storage, the oldest held one right after it.
+        assert ring.position(ring.total) == len(first) - MIN_CAPACITY
+        other.release()
+        drain(ring, ends, then)
+    assert ring.capacity == 2 * MIN_CAPACITY
+    assert ring.contents() == first[-MIN_CAPACITY:] + then, \
+        "after growing, the replay is not the held bytes in the order read"
+    assert ring.dropped == len(first) - MIN_CAPACITY
+
+
 def test_read_errors_change_nothing() -> None:
     """EAGAIN (and EIO from a hung-up PTY) propagate with the ring unchanged."""
     ring = Ring(MIN_CAPACITY, RingBudget(PLENTY))
