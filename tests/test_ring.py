@@ -306,6 +306,36 @@ def test_read_errors_change_nothing() -> None:
     assert ring.dropped == 0
 
 
+# --- delivered by a retrieve into custody ---------------------------------------------------
+
+
+def test_drops_delivered_before_are_not_counted_again() -> None:
+    """A retrieve into custody without a journal delivers the replay, drops and all, and
+    the ring starts empty (`consume`). Once custody ends it drains a little more: the next
+    replay is just that, and nothing is missing at its start. Counted again, the earlier
+    drops would make the next app cut the head off a replay that lost nothing
+    (`replay_trimmed`) and tell the user output was lost that was not."""
+    ring = Ring(MIN_CAPACITY, RingBudget(PLENTY))
+    flood, after = stream(50_000, seed=30), b"after custody\r\n"
+    with pipe() as ends:
+        drain(ring, ends, flood, at_most=4096)
+        lost = len(flood) - MIN_CAPACITY
+        assert ring.dropped_since_delivery == ring.dropped == lost
+        ring.consume()
+        assert ring.contents() == b""
+        assert ring.dropped_since_delivery == 0, "drops delivered already are still counted"
+        drain(ring, ends, after)
+        assert ring.contents() == after
+        assert ring.dropped_since_delivery == 0, "drops delivered already counted again"
+        assert ring.dropped == lost  # what was delivered is not counted as dropped
+        # What is lost from here on is counted, and only that.
+        more = stream(MIN_CAPACITY + 500, seed=31)
+        drain(ring, ends, more)
+    assert ring.contents() == (after + more)[-MIN_CAPACITY:]
+    assert ring.dropped_since_delivery == len(after) + 500
+    assert ring.dropped == lost + len(after) + 500
+
+
 # --- against a model ---------------------------------------------------------------------------
 
 _LIMITS = st.sampled_from([1, 100, 4096, MIN_CAPACITY - 1, MIN_CAPACITY, 20_000, 50_000, 70_000])
