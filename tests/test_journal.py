@@ -144,20 +144,39 @@ def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Ses
     assert not session.ring.state.reading and session.replay_gaps == []
 
 
-@pytest.mark.parametrize("lie", ["backwards", "huge"])
-def test_a_journal_that_lies_about_its_counter_is_not_believed(session: Session,
-                                                               lie: str) -> None:
+DRAINED = b"".join(f"drained {i:04d}\n".encode() for i in range(300))  # 3,900 bytes
+
+
+@pytest.mark.parametrize("lie, drained_first", [
+    ("backwards", False), ("backwards", True), ("huge", False),
+], ids=["backwards", "below_what_the_holder_drained", "huge"])
+def test_a_journal_that_lies_about_its_counter_is_not_believed(
+    session: Session, lie: str, drained_first: bool,
+) -> None:
     """The state file is writable by the app: a counter that went back (or to an absurd
-    value) is not taken; the holder goes on from its own count, with a replay it can read."""
+    value) is not taken; the holder goes on from its own count, with a replay it can read.
+    Below what the holder itself had drained before the app took custody, it would have
+    the replay lose the holder's own bytes, which the app never touched."""
+    drained = DRAINED if drained_first else b""
+    if drained:
+        r, w = os.pipe()
+        try:
+            os.write(w, drained)
+            assert session.ring.read_from(r, len(drained), overwrite=True) == len(drained)
+        finally:
+            os.close(r)
+            os.close(w)
     writer = writer_for(session)
     writer.record(b"x" * 1000)
     writer.close()
     state = session.ring.state
-    state.set_total(0 if lie == "backwards" else 1 << 63)
+    lies = {"backwards": max(0, len(drained) - 1), "huge": 1 << 63}
+    state.set_total(lies[lie])
     before = session.ring.total
+    assert before == len(drained)  # the holder's own count, from before custody
     journal.end(session)
-    assert session.ring.total == before
-    assert session.ring.contents() == b""
+    assert session.ring.total == before, "the app's counter was believed"
+    assert session.ring.contents() == drained
     assert session.ring.state.total == before
 
 
