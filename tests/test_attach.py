@@ -29,7 +29,7 @@ import psutil
 import pytest
 from screens import gone, run_tmux, wait_for_screen
 
-from conftest import OWNER, HolderProcess, PtyChild, require_program, wait_for
+from conftest import OWNER, HolderProcess, PtyChild, require_program, spawn_in_pty, wait_for
 from escrow_client import SessionInfo
 from escrow_client.attach import DetachKey, exit_status, key_name, parse_key
 
@@ -684,6 +684,54 @@ def test_sigterm_ends_an_attach_whose_terminal_takes_no_output(
     assert local.proc.wait(TIMEOUT) == 0
     wait_for(lambda: state(holder, "st") == "draining", TIMEOUT, "the session draining")
     holder.client(RUN_OWNER).release("st")
+
+
+def test_losing_the_terminal_by_eof_or_eio_detaches_and_never_releases(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild], tmp_path: Path
+) -> None:
+    """The local terminal hangs up (its master is closed) and escrowctl is told by its
+    reads and writes of it (EOF, EIO), not by SIGHUP: it detaches. The session drains
+    again, its program alive and printing into the ring; released, its program would have
+    been hung up and the user's work lost with a terminal that merely went away.
+
+    escrowctl runs under a shell that leads the terminal's session and ignores SIGHUP,
+    so that the hang-up signals nobody but that shell (the kernel signals the session
+    leader only) and escrowctl learns of it by reading and writing alone."""
+    program = pty_children(["sh", "-c", "while :; do echo tick; sleep 0.1; done"])
+    holder.client().hand_off("t1", program.master, child_pid=program.pid)
+    err, rc = tmp_path / "stderr", tmp_path / "rc"
+    local = spawn_in_pty(["sh", "-c", f"trap '' HUP; {shlex.quote(ESCROWCTL)} --socket "
+                          f"{shlex.quote(holder.socket)} attach {OWNER}/t1 2>{err}; "
+                          f"echo $? >{rc}"])
+    master_open = True
+    escrowctl: psutil.Process | None = None
+    try:
+        info = wait_for(lambda: (s := session(holder, "t1", OWNER)) is not None
+                        and s.state == "held" and s, TIMEOUT, "escrowctl to attach")
+        assert info.custodian_pid is not None
+        escrowctl = psutil.Process(info.custodian_pid)
+        assert b"tick" in local.read_available(until=b"tick")  # it copies the program's output
+        os.close(local.master)  # the local terminal goes away
+        master_open = False
+        wait_for(partial(gone, escrowctl), TIMEOUT, "escrowctl to exit")
+        wait_for(lambda: rc.exists() and rc.read_text().endswith("\n"), TIMEOUT,
+                 "the shell to write escrowctl's exit status")
+        said = err.read_text()
+        assert "the terminal went away" in said, said  # EOF or EIO, not a signal
+        assert state(holder, "t1", OWNER) == "draining", \
+            f"losing the terminal did not leave the session draining: {said}"
+        assert rc.read_text() == "0\n"
+        drained = session(holder, "t1", OWNER)
+        assert drained is not None and drained.child_alive and program.proc.poll() is None
+        wait_for(lambda: (s := session(holder, "t1", OWNER)) is not None
+                 and s.buffered_bytes >= drained.buffered_bytes + 3 * len("tick\r\n"),
+                 TIMEOUT, "the program's output drained into the ring after the detach")
+    finally:
+        if master_open:
+            os.close(local.master)
+        if escrowctl is not None and not gone(escrowctl):
+            escrowctl.kill()
+        local.kill()
 
 
 def test_run_gives_the_program_the_modes_of_its_terminal(

@@ -187,6 +187,40 @@ async def test_a_terminal_that_hung_up_before_the_drain_ran_is_handed_off_exited
         conn.close_app_fds()
 
 
+async def test_the_gaps_of_a_trimmed_replay_are_where_its_bytes_are() -> None:
+    """A replay whose ring wrapped starts at the next whole line (`replay_trimmed` bytes
+    cut), and the spots where a read may be missing are offsets into the replay as sent:
+    shifted by what was cut. Unshifted, an app would mark the gap that many bytes too far
+    on, in the middle of output that is whole."""
+    limit = 4096
+    data = b"".join(f"line {i:05d} of the build\r\n".encode() for i in range(300))
+    assert data[-limit - 1] != ord("\n")  # the oldest byte the ring keeps is mid-line
+    head, tail = data[:-100], data[-100:]
+    with raw_pty() as (master, slave):
+        registry, session = escrowed(master, ring_bytes=limit)
+        conn = RecordingConnection()
+        async with trio.open_nursery() as nursery:
+            session.start_drain(nursery, "custodian gone")
+            for start in range(0, len(head), 2000):  # (each write fits the PTY's buffer)
+                chunk = head[start : start + 2000]
+                os.write(slave, chunk)
+                await until(lambda: session.ring.total == start + len(chunk),  # noqa: B023
+                            "the drain to read the head")
+            # Where a holder adopting the session after an unclean stop marks a gap
+            # (escrowd.adoption): one read's bytes may be missing here.
+            session.gap_totals.append(session.ring.total)
+            os.write(slave, tail)
+            await until(lambda: session.ring.total == len(data), "the drain to read the tail")
+            assert await handoff.retrieve(conn, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
+        sent = conn.handoff()
+        assert sent.replay_trimmed > 0 and sent.replay.startswith(b"line ")
+        assert sent.replay == data[len(data) - len(sent.replay):]
+        assert sent.session.replay_gaps == [len(sent.replay) - 100], \
+            "the gap is not 100 bytes before the end of the replay as sent"
+        assert sent.session.replay_gap_at == len(sent.replay) - 100
+        conn.close_app_fds()
+
+
 # --- cancelled mid-handoff -------------------------------------------------------------------
 
 

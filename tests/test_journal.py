@@ -9,6 +9,7 @@ import os
 import threading
 import tty
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,19 +23,28 @@ from escrowd.session import Session
 RING = 16 * 1024
 
 
-@pytest.fixture
-def session() -> Iterator[Session]:
+@contextmanager
+def escrowed() -> Iterator[Session]:
+    """A session with a journal, in a registry of its own (a holder of its own)."""
     registry = Registry(max_sessions=4, ring_bytes=RING, total_ring_bytes=1 << 30,
                         max_tombstones=4)
     master, slave = os.openpty()
     s = Session("o", protocol.Deposit(id="tab", journal=True), os.dup(master),
                 registry.new_ring(), custodian=None, custodian_pid=None, child_start_time=None)
     registry.add(s)
-    yield s
-    s.ring.release()  # (Session.close also tells trio's loop, which is not running here)
-    os.close(s.fd)
-    os.close(master)
-    os.close(slave)
+    try:
+        yield s
+    finally:
+        s.ring.release()  # (Session.close also tells trio's loop, which is not running here)
+        os.close(s.fd)
+        os.close(master)
+        os.close(slave)
+
+
+@pytest.fixture
+def session() -> Iterator[Session]:
+    with escrowed() as s:
+        yield s
 
 
 def writer_for(session: Session) -> JournalWriter:
@@ -144,20 +154,39 @@ def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Ses
     assert not session.ring.state.reading and session.replay_gaps == []
 
 
-@pytest.mark.parametrize("lie", ["backwards", "huge"])
-def test_a_journal_that_lies_about_its_counter_is_not_believed(session: Session,
-                                                               lie: str) -> None:
+DRAINED = b"".join(f"drained {i:04d}\n".encode() for i in range(300))  # 3,900 bytes
+
+
+@pytest.mark.parametrize("lie, drained_first", [
+    ("backwards", False), ("backwards", True), ("huge", False),
+], ids=["backwards", "below_what_the_holder_drained", "huge"])
+def test_a_journal_that_lies_about_its_counter_is_not_believed(
+    session: Session, lie: str, drained_first: bool,
+) -> None:
     """The state file is writable by the app: a counter that went back (or to an absurd
-    value) is not taken; the holder goes on from its own count, with a replay it can read."""
+    value) is not taken; the holder goes on from its own count, with a replay it can read.
+    Below what the holder itself had drained before the app took custody, it would have
+    the replay lose the holder's own bytes, which the app never touched."""
+    drained = DRAINED if drained_first else b""
+    if drained:
+        r, w = os.pipe()
+        try:
+            os.write(w, drained)
+            assert session.ring.read_from(r, len(drained), overwrite=True) == len(drained)
+        finally:
+            os.close(r)
+            os.close(w)
     writer = writer_for(session)
     writer.record(b"x" * 1000)
     writer.close()
     state = session.ring.state
-    state.set_total(0 if lie == "backwards" else 1 << 63)
+    lies = {"backwards": max(0, len(drained) - 1), "huge": 1 << 63}
+    state.set_total(lies[lie])
     before = session.ring.total
+    assert before == len(drained)  # the holder's own count, from before custody
     journal.end(session)
-    assert session.ring.total == before
-    assert session.ring.contents() == b""
+    assert session.ring.total == before, "the app's counter was believed"
+    assert session.ring.contents() == drained
     assert session.ring.state.total == before
 
 
@@ -241,6 +270,51 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
     assert sorted(got) == [b"a", b"b"] and not state.reading
     journal.end(session)
     assert session.ring.contents() in (b"ab", b"ba") and session.replay_gaps == []
+
+
+def test_a_read_in_flight_while_the_writer_moves_to_a_new_file_is_marked_there(
+    session: Session,
+) -> None:
+    """A custody that takes its session back from a new holder maps that holder's file
+    while a read waits in the old one: the new file must say a read is in flight, or an
+    app that died before the read returned would leave the new holder a replay with those
+    bytes gone and no gap marked. The read's bytes, once back, are recorded in the new file
+    and the mark cleared."""
+    writer = writer_for(session)
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    got: list[bytes | OSError] = []
+
+    def read() -> None:
+        try:
+            got.append(writer.read(master, 65536))
+        except OSError as exc:  # EIO, once the test has closed the terminal after a failure
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    try:
+        with escrowed() as moved:
+            reader.start()
+            wait_for(lambda: session.ring.state.reading, 10, "the read to be marked in flight")
+            layout = journal.grant(moved)
+            assert layout is not None
+            journal.begin(moved)
+            writer.remap(os.dup(moved.ring.state.fd), layout)
+            assert moved.ring.state.reading, "the read in flight is not marked in the new file"
+            os.write(slave, b"read across the move\n")
+            reader.join(10)
+            assert got == [b"read across the move\n"]
+            assert not moved.ring.state.reading
+            writer.close()
+            journal.end(moved)
+            assert moved.ring.contents() == b"read across the move\n"
+            assert moved.replay_gaps == []
+    finally:
+        os.close(slave)
+        os.close(master)
+        writer.close()
+        if reader.is_alive():
+            reader.join(10)
 
 
 def test_a_read_cut_short_on_its_way_into_the_ring_stays_marked(

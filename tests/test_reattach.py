@@ -240,6 +240,41 @@ def test_a_wrapped_replay_starts_after_a_torn_escape_sequence(make_holder: objec
         os.close(slave)
 
 
+def test_drops_delivered_into_custody_are_not_counted_again(make_holder: object) -> None:
+    """A session whose ring overflowed is retrieved into custody without a journal: that
+    replay is the app's, drops and all. Custody ends and the program prints a little more.
+    The next replay is that, whole: nothing dropped (`dropped_bytes` 0), nothing cut from
+    its head (`replay_trimmed` 0). Counted again, the old drops made the next app cut the
+    first line off a replay that had lost nothing, and say output was lost."""
+    holder: HolderProcess = make_holder("--ring-bytes", "16384")  # type: ignore[operator]
+    flood = b"".join(f"flood line {i:05d}\r\n".encode() for i in range(2000))  # 36 KB
+    after = b"printed after custody\r\n"
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    client = holder.client()
+    try:
+        client.hand_off("tab", master)
+        os.write(slave, flood)
+        wait_for(lambda: any(s.id == "tab" and s.buffered_bytes + s.dropped_bytes
+                             == len(flood) for s in client.list()), 10, "the flood drained")
+        with client.custody() as custody:
+            first = custody.retrieve("tab")
+            os.close(first.fd)
+            assert first.dropped_bytes > 0 and first.replay_trimmed > 0  # it overflowed
+        os.write(slave, after)
+        wait_for(lambda: any(s.id == "tab" and s.state == "draining"
+                             and s.buffered_bytes == len(after) for s in client.list()),
+                 10, "the line printed after custody drained")
+        second = client.retrieve("tab")
+        os.close(second.fd)
+        assert (second.dropped_bytes, second.replay_trimmed) == (0, 0), \
+            "drops delivered into custody were counted again"
+        assert second.replay == after
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
 def test_update_keeps_size_and_meta_current(holder: HolderProcess) -> None:
     master, slave = os.openpty()
     client = holder.client()

@@ -270,6 +270,30 @@ def test_release_returns_the_budget() -> None:
     assert second.contents() == data
 
 
+def test_a_wrapped_ring_that_grows_keeps_its_bytes_in_order() -> None:
+    """A ring that wrapped while out of budget (its newest bytes at the start of its
+    storage, its oldest at the end) grows once budget is free again: the newest part moves
+    up behind the oldest, and the replay stays every held byte, in the order read. Were it
+    not moved, the replay would show the oldest bytes, then whatever the new storage held,
+    in place of the newest."""
+    budget = RingBudget(2 * MIN_CAPACITY)
+    other = Ring(1 << 20, budget)  # holds half the budget while `ring` wraps
+    ring = Ring(4 * MIN_CAPACITY, budget)
+    first, then = stream(20_000, seed=14), stream(3000, seed=15)
+    with pipe() as ends:
+        drain(other, ends, stream(MIN_CAPACITY, seed=16))
+        drain(ring, ends, first, at_most=4096)
+        assert ring.capacity == MIN_CAPACITY  # its fair share: no more
+        # Wrapped: the next byte goes mid-storage, the oldest held one right after it.
+        assert ring.position(ring.total) == len(first) - MIN_CAPACITY
+        other.release()
+        drain(ring, ends, then)
+    assert ring.capacity == 2 * MIN_CAPACITY
+    assert ring.contents() == first[-MIN_CAPACITY:] + then, \
+        "after growing, the replay is not the held bytes in the order read"
+    assert ring.dropped == len(first) - MIN_CAPACITY
+
+
 def test_read_errors_change_nothing() -> None:
     """EAGAIN (and EIO from a hung-up PTY) propagate with the ring unchanged."""
     ring = Ring(MIN_CAPACITY, RingBudget(PLENTY))
@@ -280,6 +304,36 @@ def test_read_errors_change_nothing() -> None:
             ring.read_from(ends[0], 100, overwrite=True)
     assert ring.contents() == data
     assert ring.dropped == 0
+
+
+# --- delivered by a retrieve into custody ---------------------------------------------------
+
+
+def test_drops_delivered_before_are_not_counted_again() -> None:
+    """A retrieve into custody without a journal delivers the replay, drops and all, and
+    the ring starts empty (`consume`). Once custody ends it drains a little more: the next
+    replay is just that, and nothing is missing at its start. Counted again, the earlier
+    drops would make the next app cut the head off a replay that lost nothing
+    (`replay_trimmed`) and tell the user output was lost that was not."""
+    ring = Ring(MIN_CAPACITY, RingBudget(PLENTY))
+    flood, after = stream(50_000, seed=30), b"after custody\r\n"
+    with pipe() as ends:
+        drain(ring, ends, flood, at_most=4096)
+        lost = len(flood) - MIN_CAPACITY
+        assert ring.dropped_since_delivery == ring.dropped == lost
+        ring.consume()
+        assert ring.contents() == b""
+        assert ring.dropped_since_delivery == 0, "drops delivered already are still counted"
+        drain(ring, ends, after)
+        assert ring.contents() == after
+        assert ring.dropped_since_delivery == 0, "drops delivered already counted again"
+        assert ring.dropped == lost  # what was delivered is not counted as dropped
+        # What is lost from here on is counted, and only that.
+        more = stream(MIN_CAPACITY + 500, seed=31)
+        drain(ring, ends, more)
+    assert ring.contents() == (after + more)[-MIN_CAPACITY:]
+    assert ring.dropped_since_delivery == len(after) + 500
+    assert ring.dropped == lost + len(after) + 500
 
 
 # --- against a model ---------------------------------------------------------------------------

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -118,6 +120,91 @@ def test_a_listener_of_another_uid_in_our_own_directory_gets_no_byte(
     fake.stop()
     assert fake.fds_received() == 0 and fake.bytes_received() == 0
     assert [e["event"] for e in fake.events] == ["connection", "eof"]
+
+
+PROBE = (3).to_bytes(4, "big") + b"end"  # a frame no client sends
+
+
+def connections_before_a_probe(fake: FakeHolder, path: str, timeout: float = 10.0) -> int:
+    """How many connections `fake` took before one of the test's own, which sends PROBE.
+    The listener takes connections one at a time, in order: once it reports the probe's
+    frame, it has reported every connection made before it. (Killed if it has not within
+    `timeout`, which ends the wait.)"""
+    deadline = threading.Timer(timeout, fake.proc.kill)
+    deadline.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(path)
+            probe.sendall(PROBE)
+            while fake.wait_event("frame")["bytes"] != len(PROBE):
+                pass
+    finally:
+        deadline.cancel()
+    return sum(e["event"] == "connection" for e in fake.events) - 1
+
+
+def attempt(call: Callable[[], object]) -> Exception | None:
+    """What `call` raised, or None."""
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o720], ids=["0770", "0720"])
+def test_our_own_directory_that_the_group_may_write_gets_no_terminal(
+    user: OtherUser, base: Path, fakes: list[FakeHolder], mode: int,
+    pty_children: Callable[..., PtyChild],
+) -> None:
+    """The directory is ours, but its group may write it (0770; or 0720, write without
+    search, which a chmod may have left): any member of the group may have put a listener
+    there, or put one in place of our holder's. Here a member of the group did (while the
+    directory was 0770). hand_off raises Forbidden naming the mode before connecting: the
+    listener sees no connection."""
+    directory = base / "ours"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, os.getuid(), user.gid)
+    os.chmod(directory, 0o770)
+    path = str(directory / "escrowd.sock")
+    fakes.append(fake := FakeHolder(user, path=path))
+    os.chmod(directory, mode)
+    kid = pty_children(["sh", "-c", "sleep 30"])
+    refused = attempt(lambda: EscrowClient(OWNER, socket_path=path).hand_off(
+        "tab", kid.master, child_pid=kid.pid))
+    assert connections_before_a_probe(fake, path) == 0, \
+        "the client connected to a listener in a directory its group may write"
+    fake.stop()
+    assert fake.fds_received() == 0 and fake.bytes_received() == len(PROBE)
+    assert isinstance(refused, Forbidden), refused
+    message = str(refused)
+    assert f"has mode {mode:04o}" in message and "writable by group or others" in message
+    assert str(directory) in message
+
+
+def test_a_directory_of_another_uid_closed_to_writes_is_refused_for_its_owner(
+    user: OtherUser, base: Path, fakes: list[FakeHolder],
+    pty_children: Callable[..., PtyChild],
+) -> None:
+    """Another uid owns the socket's directory, mode 0755 (no one else may write it), and
+    the listener in it runs as our own uid: the mode and the peer's uid pass. The owner
+    does not: whoever owns the directory may replace what listens there at any time.
+    hand_off raises Forbidden naming the owner; the listener sees no connection."""
+    directory = base / f"escrowd-{os.getuid()}"
+    squat(directory, user, 0o755)
+    path = str(directory / "escrowd.sock")
+    ourselves = OtherUser(pwd.getpwuid(os.getuid()).pw_name, os.getuid(), os.getgid())
+    fakes.append(fake := FakeHolder(ourselves, path=path))  # (as root, it may bind there)
+    kid = pty_children(["sh", "-c", "sleep 30"])
+    refused = attempt(lambda: EscrowClient(OWNER, socket_path=path).hand_off(
+        "tab", kid.master, child_pid=kid.pid))
+    assert connections_before_a_probe(fake, path) == 0, \
+        "the client connected to a listener in a directory another uid owns"
+    fake.stop()
+    assert fake.fds_received() == 0 and fake.bytes_received() == len(PROBE)
+    assert isinstance(refused, Forbidden), refused
+    message = str(refused)
+    assert f"owned by uid {user.uid}" in message and f"your own uid {os.getuid()}" in message
 
 
 def test_autostart_refuses_to_start_a_holder_in_a_squatted_directory(
