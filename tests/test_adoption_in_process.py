@@ -12,18 +12,35 @@ Incidents pinned:
 - a holder took its own state file (its restart counters) out of the store at the start of
   adoption, to store it again at the end: killed in between (seen in `bench/chaos.py
   --kill-holder`), it lost the file, and the next holder reported 0 restarts, 0 unclean.
+
+Behaviours pinned: what a restarted holder must refuse, while it adopts the sound pairs
+beside it all the same, closes every fd it refuses and takes its name out of the store:
+- a master stored beside another session's state file (it would come back under the other
+  session's name, with the other's replay);
+- a session whose record says `handed_off` or `released` (the app reads that terminal now);
+- a PTY slave stored in place of the master (draining it would take the user's keystrokes);
+and of two deposits stored under one owner and id, the newer is the session kept.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
+import time
+import tty
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
+from escrow_client.platform import terminal_identity
 from escrowd.adoption import Adoption, adopt
 from escrowd.config import Config
 from escrowd.fdstore import HOLDER_NAME, FdStore, session_name
@@ -74,10 +91,20 @@ async def test_a_gap_is_marked_where_a_read_may_have_been_in_flight(
 
 
 
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[socket.socket]:
+    """The fd store, as the holder reaches it: a datagram socket the test reads."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
 def store_messages(store: socket.socket) -> list[tuple[str, int]]:
     """The messages the holder sent to the store since last asked: (text, fds attached);
     the fds are closed."""
-    got = []
+    got: list[tuple[str, int]] = []
     while True:
         try:
             data, ancdata, _, _ = store.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
@@ -89,25 +116,69 @@ def store_messages(store: socket.socket) -> list[tuple[str, int]]:
         got.append((data.decode(), len(fds)))
 
 
-async def adopt_with_store(tmp_path: Path, stored: dict[str, list[int]],
-                           store: socket.socket) -> Adoption:
-    holder = Holder(Config(socket_path=str(tmp_path / "escrowd.sock")),
-                    FdStore(store.getsockname()))
-    try:
-        async with trio.open_nursery() as nursery:
-            holder._nursery = nursery
+def holder_with_store(tmp_path: Path, store: socket.socket) -> Holder:
+    return Holder(Config(socket_path=str(tmp_path / "escrowd.sock")),
+                  FdStore(store.getsockname()))
+
+
+async def adopt_now(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
+    """`adopt`, as the holder runs it at its start; once every drain it started has read
+    what was there to read, its nursery ends (nothing reads any more)."""
+    async with trio.open_nursery() as nursery:
+        holder._nursery = nursery
+        try:
             report = await adopt(holder, stored)
-            nursery.cancel_scope.cancel()
-    finally:
-        holder.store.close()
+        except Exception as exc:
+            # The holder's start fails with it: every stored session is lost.
+            raise AssertionError(f"the holder could not start: adoption raised {exc!r}"
+                                 ) from exc
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
     assert report.holder_state is not None
     return report
 
 
-async def test_the_holders_own_state_file_never_leaves_the_store(tmp_path: Path) -> None:
-    store = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    store.bind(str(tmp_path / "notify"))
-    store.setblocking(False)
+def let_go(holder: Holder) -> None:
+    """Close what the holder kept (its sessions, its store, its spare fd), but its own
+    state file (the report's)."""
+    for session in holder.registry.live.values():
+        session.forget_drain()
+        session.close()
+    holder.store.close()
+    if holder._reserve_fd is not None:
+        os.close(holder._reserve_fd)
+        holder._reserve_fd = None
+
+
+async def adopt_with_store(tmp_path: Path, stored: dict[str, list[int]],
+                           store: socket.socket) -> Adoption:
+    """Adopt `stored`; the holder's own state file (`holder_state`) is the caller's to
+    close."""
+    holder = holder_with_store(tmp_path, store)
+    try:
+        return await adopt_now(holder, stored)
+    finally:
+        let_go(holder)
+
+
+@asynccontextmanager
+async def adopting(tmp_path: Path, stored: dict[str, list[int]], store: socket.socket
+                   ) -> AsyncIterator[tuple[Adoption, Holder]]:
+    """Adopt `stored`, and let the test look at the holder; then close everything it kept."""
+    holder = holder_with_store(tmp_path, store)
+    report: Adoption | None = None
+    try:
+        report = await adopt_now(holder, stored)
+        yield report, holder
+    finally:
+        let_go(holder)
+        if report is not None and report.holder_state is not None:
+            report.holder_state.close()
+
+
+async def test_the_holders_own_state_file_never_leaves_the_store(
+    store: socket.socket, tmp_path: Path
+) -> None:
     first = second = None
     try:
         # A first start: a new state file, stored at once, before any session is taken up.
@@ -128,4 +199,169 @@ async def test_the_holders_own_state_file_never_leaves_the_store(tmp_path: Path)
         for report in (first, second):
             if report is not None and report.holder_state is not None:
                 report.holder_state.close()
-        store.close()
+
+
+# --- what a restarted holder refuses, and which of two it keeps ------------------------------
+
+
+@dataclass
+class StoredPair:
+    """A session as a killed holder left it in the store: a real PTY whose two ends the
+    test keeps (the master as the app's copy, the slave as the child's), and its state
+    file. `stored()` is what the store passes the next holder: copies of the master and of
+    the state file."""
+
+    token: str
+    master: int
+    slave: int
+    file: StateFile[Record]
+
+    @property
+    def name(self) -> str:
+        return session_name(self.token)
+
+    def stored(self) -> list[int]:
+        return [os.dup(self.master), os.dup(self.file.fd)]
+
+    def close(self) -> None:
+        self.file.close()
+        os.close(self.master)
+        os.close(self.slave)
+
+
+@pytest.fixture
+def pairs() -> Iterator[Callable[..., StoredPair]]:
+    """`pairs(sid, replay, **record_fields)`: a stored pair whose record names OWNER/sid
+    (draining, cleanly stopped, unless the fields say otherwise) with `replay` in its ring;
+    every one is closed at teardown."""
+    made: list[StoredPair] = []
+
+    def make(sid: str = "tab", replay: bytes = REPLAY, **fields: Any) -> StoredPair:
+        master, slave = os.openpty()
+        tty.setraw(slave)  # bytes cross the terminal as they are, in both directions
+        file = StateFile.create(Record, 1 << 20, "test")
+        pair = StoredPair(uuid.uuid4().hex, master, slave, file)
+        made.append(pair)
+        file.data[: len(replay)] = replay
+        file.set_total(len(replay))
+        fields = {"state": "draining", "clean": True, **fields}
+        file.write(Record(token=pair.token, owner=OWNER, id=sid, capacity=16 * 1024,
+                          saturated=False, **fields))
+        return pair
+
+    yield make
+    for pair in made:
+        pair.close()
+
+
+def removals(store: socket.socket) -> list[str]:
+    """The names the holder took out of the store since last asked."""
+    prefix = "FDSTOREREMOVE=1\nFDNAME="
+    return [text.removeprefix(prefix) for text, _ in store_messages(store)
+            if text.startswith(prefix)]
+
+
+def open_fds() -> set[int]:
+    """The fds open in this process (not the one the listing was read with: closed)."""
+    return {int(fd) for fd in os.listdir("/proc/self/fd") if is_open(int(fd))}
+
+
+def is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def assert_unread(fd: int, data: bytes, what: str) -> None:
+    """`data` is still waiting to be read on `fd`: nobody else read it."""
+    got = b""
+    deadline = time.monotonic() + 5.0
+    while len(got) < len(data) and select.select(
+            [fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        got += os.read(fd, 4096)
+    assert got == data, f"{what} was read by someone else: {got!r} left of {data!r}"
+
+
+async def assert_refused(tmp_path: Path, name: str, fds: list[int], store: socket.socket,
+                         why: str, bystander: StoredPair) -> None:
+    """The pair `fds` stored as `name` is refused: not adopted, its fds closed, its name
+    taken out of the store; and `bystander`, a sound pair stored beside it, is adopted all
+    the same."""
+    before = open_fds() - set(fds)
+    stored = {name: fds, bystander.name: bystander.stored()}
+    async with adopting(tmp_path, stored, store) as (report, holder):
+        assert [s.token for s in holder.registry.live.values()] == [bystander.token], \
+            f"adopted, though {why}"
+        assert (report.adopted, report.refused) == (1, 1)
+    assert removals(store) == [name], f"left in the store, though {why}"
+    assert open_fds() == before, "a refused pair's fds were left open"
+
+
+async def test_a_state_file_of_another_session_is_refused(
+    pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """A master stored beside a state file that names another session's token (two pairs
+    mixed up in the store) is refused: adopted, it would come back under that other
+    session's name and with its replay, the wrong screen in the wrong tab."""
+    mine, theirs = pairs("mine"), pairs("theirs", b"their screen\r\n")
+    os.write(mine.slave, b"my output")
+    await assert_refused(tmp_path, mine.name, [os.dup(mine.master), os.dup(theirs.file.fd)],
+                         store, "its state file names another session", pairs("other"))
+    assert_unread(mine.master, b"my output", "the terminal's output")
+
+
+@pytest.mark.parametrize("ended", ["handed_off", "released"])
+async def test_a_session_that_ended_is_refused_and_never_escrowed_again(
+    ended: str, pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """A session whose record says it was handed off (or released), whose removal from the
+    store a kill kept from reaching it, is refused: the app reads that terminal now, and a
+    holder draining it again would take the output from under the app."""
+    pair = pairs(state=ended)
+    os.write(pair.slave, b"for the app")
+    await assert_refused(tmp_path, pair.name, pair.stored(), store,
+                         f"its record says {ended}", pairs("other"))
+    assert_unread(pair.master, b"for the app", "the app's terminal output")
+
+
+async def test_a_stored_pty_slave_is_refused_never_drained(
+    pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """A PTY slave stored in place of the master is refused ("not a PTY master"), never
+    drained: reading the slave, the holder would take the user's keystrokes from the
+    program they are typed to."""
+    pair = pairs()
+    os.write(pair.master, b"my password\r")  # typed by the user
+    await assert_refused(tmp_path, pair.name, [os.dup(pair.slave), os.dup(pair.file.fd)],
+                         store, "the stored terminal is a PTY slave", pairs("other"))
+    assert_unread(pair.slave, b"my password\r", "the user's keystrokes")
+
+
+@pytest.mark.parametrize("newer_first", [True, False])
+async def test_of_two_deposits_under_one_name_the_newer_is_kept(
+    newer_first: bool, pairs: Callable[..., StoredPair], store: socket.socket,
+    tmp_path: Path
+) -> None:
+    """Two stored pairs under one owner and id (an app deposited the session again, and
+    the holder was killed before the older pair left the store): the newer deposit is the
+    live session, whatever the order the store passes them in; the older is taken out of
+    the store."""
+    older = pairs("tab", b"the old screen\r\n", deposited_at=1000.0)
+    newer = pairs("tab", b"the new screen\r\n", deposited_at=2000.0)
+    stored = [(pair.name, pair.stored()) for pair in (older, newer)]
+    before = open_fds() - {fd for _, fds in stored for fd in fds}
+    async with adopting(tmp_path, dict(stored[::-1] if newer_first else stored),
+                        store) as (report, holder):
+        assert list(holder.registry.live) == [(OWNER, "tab")]
+        kept = holder.registry.live[(OWNER, "tab")]
+        assert kept.token == newer.token, "the older deposit was kept"
+        assert kept.ring.contents() == b"the new screen\r\n"
+        assert terminal_identity(kept.fd) == terminal_identity(newer.master)
+        assert report.adopted == 1
+        older_pair = (report.refused, removals(store))
+    # What becomes of the older pair, said once: refused, and taken out of the store.
+    assert older_pair == (1, [older.name]), "the older deposit was not refused and removed"
+    # Every fd the holder was passed is closed, once it has let go of what it kept.
+    assert open_fds() == before, "fds of a stored pair were left open"

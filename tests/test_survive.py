@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -229,6 +230,58 @@ def test_a_handoff_caught_by_the_holders_death_waits_for_its_client(
             assert again.receive()[0] == protocol.Done(id="tab")
         assert {s.id: s.state for s in holder.client().list()}["tab"] == "handed_off"
         assert os.isatty(fd)
+
+
+# A client of a handoff, as its own process: it retrieves the session, prints the handoff's
+# id once it has the fd, and holds the fd without ever acking it until it is killed.
+HANDOFF_CLIENT = textwrap.dedent("""
+    import signal, sys
+    sys.path.insert(0, sys.argv[1])
+    from rawclient import RawClient
+    raw = RawClient(sys.argv[2])
+    raw.hello()
+    handoff, fd = raw.retrieve_handoff(sys.argv[3])
+    print(handoff.handoff_id, flush=True)
+    signal.pause()
+""")
+
+
+def test_a_handoff_caught_by_the_holders_death_drains_again_once_its_client_is_dead(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+    apps: list[subprocess.Popen[str]],
+) -> None:
+    """A holder killed between sending a handoff and its ack, and then the client that got
+    the fd killed too, before it acked: the next holder, which waited for that client, drains
+    the session again as soon as the client is proven dead (long before any ack deadline),
+    instead of leaving it `handing_off` with nobody reading it (its child blocked on a full
+    terminal, its output lost to the user). Nothing read is lost: the replay runs from the
+    first line."""
+    holder = make_holder("--ack-deadline", "30", keeper=True)
+    kid = pty_children(TICKER)
+    holder.client().hand_off("tab", kid.master, child_pid=kid.pid)
+    os.close(kid.master)
+    kid.master = -1
+    client = subprocess.Popen(
+        [sys.executable, "-c", HANDOFF_CLIENT, str(Path(__file__).parent), holder.socket,
+         "tab"], stdout=subprocess.PIPE, text=True)
+    apps.append(client)
+    assert client.stdout is not None
+    handoff_id = client.stdout.readline().strip()
+    assert handoff_id, "the client got no handoff"
+    kill_serving_holder(holder)
+    info = {s.id: s for s in holder.client().list()}["tab"]
+    assert info.state == "handing_off" and info.handoff_id == handoff_id, info
+
+    client.kill()
+    client.wait()
+    wait_for(lambda: {s.id: s.state for s in holder.client().list()}["tab"] == "draining",
+             10.0, "the session draining again once the client of its handoff was dead")
+    got = holder.client().retrieve("tab")
+    try:
+        assert_one_stream(b"", got.replay, read_more_lines(got.fd, b"", 3),
+                          got.session.replay_gap_at)
+    finally:
+        os.close(got.fd)
 
 
 def test_a_second_sigterm_does_not_cut_an_orderly_stop_short(
