@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from . import errors, paths
+from .interpreter import CHILD_CWD, python_command
 
 # Addressed to the app by its service manager, not to a holder the app happens to start: with
 # NOTIFY_SOCKET the holder would send READY=1 and MAINPID=<its pid> to the app's unit.
@@ -55,8 +56,8 @@ def spawn_holder(socket_path: str, idle_exit: float) -> None:
         except paths.PathError as exc:
             raise errors.EscrowConfigError(f"cannot start a holder there: {exc}") from None
     env = {k: v for k, v in os.environ.items() if k not in _SERVICE_MANAGER_VARIABLES}
-    holder = [sys.executable, "-m", "escrowd", "--socket", socket_path,
-              "--idle-exit", f"{idle_exit:g}"]
+    holder = python_command("escrowd", "--socket", os.path.abspath(socket_path),
+                            "--idle-exit", f"{idle_exit:g}")
     try:
         launcher = subprocess.run(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, *holder],
@@ -65,6 +66,7 @@ def spawn_holder(socket_path: str, idle_exit: float) -> None:
             stderr=subprocess.DEVNULL,
             close_fds=True,
             start_new_session=True,
+            cwd=CHILD_CWD,
             env=env,
             timeout=_LAUNCH_TIMEOUT,
             check=False,

@@ -38,6 +38,7 @@ from . import (
     service_files,
 )
 from .client import DEFAULT_TIMEOUT, EscrowClient
+from .interpreter import CHILD_CWD, python_command
 from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from .protocol import HolderStatus, SessionInfo
 
@@ -510,8 +511,8 @@ def _read_report(path: str) -> dict[str, Any]:
 def _run_demo_part(role: str, argv: list[str]) -> int:
     sys.stdout.flush()
     try:
-        proc = subprocess.run([sys.executable, "-m", "escrow_client.demo", role, *argv],
-                              stdin=subprocess.DEVNULL, timeout=60)
+        proc = subprocess.run(python_command("escrow_client.demo", role, *argv),
+                              stdin=subprocess.DEVNULL, cwd=CHILD_CWD, timeout=60)
     except subprocess.TimeoutExpired:
         print(f"escrowctl demo: the {role} step took over 60 s; stopped it", file=sys.stderr)
         return 1

@@ -144,10 +144,12 @@ def test_autostart_spawns_a_detached_holder(
                  f"no more than a normally started holder's ({normal.baseline_fds})")
 
         argv = _cmdline(keeper)
-        assert argv[1:5] == ["-m", "escrowd", "--socket", auto_socket], argv
+        # Isolated, from `/`: the app's directory and environment choose no code.
+        assert argv[1:6] == ["-I", "-m", "escrowd", "--socket", auto_socket], argv
         assert "--idle-exit" in argv
         assert float(argv[argv.index("--idle-exit") + 1]) > 0, argv
-        assert _cmdline(pid)[1:4] == ["-m", "escrowd", "--bare"]
+        assert _cmdline(pid)[1:5] == ["-I", "-m", "escrowd", "--bare"]
+        assert os.readlink(f"/proc/{keeper}/cwd") == os.readlink(f"/proc/{pid}/cwd") == "/"
 
         for process in (keeper, pid):
             env = _environ(process)
