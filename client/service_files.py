@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from .interpreter import python_command
+
 LAUNCHD_LABEL = "com.fd-escrow.escrowd"
 # Where `pipx install` (and `pip install --user`) put console scripts: the shipped files
 # assume it, as the systemd specifier and as the macOS home of the placeholder user.
@@ -30,15 +32,39 @@ def escrowd_command() -> list[str]:
     script = Path(sys.executable).parent / "escrowd"
     if os.access(script, os.X_OK):
         return [str(script)]
-    return [sys.executable, "-m", "escrowd"]
+    return python_command("escrowd")
 
 
 class ServiceFileError(ValueError):
     """A path or argument that a unit file or plist could not carry as it is."""
 
 
+# escrowd's default --max-sessions, and the fds a session may have in the store at once
+# (escrowd.config and escrowd.fdstore say the same; a test holds them equal).
+DEFAULT_MAX_SESSIONS = 2048
+FDS_PER_SESSION = 3
+
+
+def store_size(extra_args: list[str] | None) -> int:
+    """The FileDescriptorStoreMax= that holds every session escrowd's arguments allow, and
+    the holder's own state file (a holder refuses to start with a cap its store cannot
+    hold)."""
+    sessions = DEFAULT_MAX_SESSIONS
+    args = extra_args or []
+    for i, arg in enumerate(args):
+        value = (arg.partition("=")[2] if arg.startswith("--max-sessions=")
+                 else args[i + 1] if arg == "--max-sessions" and i + 1 < len(args) else None)
+        if value is not None:
+            try:
+                sessions = int(value)
+            except ValueError:
+                raise ServiceFileError(f"--max-sessions {value!r} is not a number") from None
+    return sessions * FDS_PER_SESSION + 1
+
+
 def systemd_service(command: list[str], socket_path: str = SYSTEMD_SOCKET,
                     extra_args: list[str] | None = None) -> str:
+    store_max = store_size(extra_args)
     words = [*command, "--bare", "--socket", socket_path, *(extra_args or [])]
     exec_start = shlex.join(
         [_unit_word(words[0], variables=False)] + [_unit_word(w) for w in words[1:]])
@@ -71,11 +97,12 @@ WatchdogSec=30
 # Only escrowd itself is ever signalled: the children of escrowed sessions belong to their
 # apps (and to the apps' cgroups), and nothing in this unit may kill them by accident.
 KillMode=process
-# The escrow outlives the holder: every session's PTY master and state file wait in
-# systemd's fd store (the holder stores them with FDSTORE=1, FDPOLL=0) while no holder
-# runs, and the next holder adopts them. Two fds per session, room for the default limit
-# of 2,048 sessions and the holder's own state.
-FileDescriptorStoreMax=4224
+# The escrow outlives the holder: every session's PTY master and state file (and an app's
+# journal) wait in systemd's fd store (the holder stores them with FDSTORE=1, FDPOLL=0)
+# while no holder runs, and the next holder adopts them. Three fds per session at most:
+# room for every session --max-sessions allows and the holder's own state (a holder
+# refuses to start with a cap its store cannot hold).
+FileDescriptorStoreMax={store_max}
 # systemd 254 and later keep the store across a stop too; 252 keeps it across a restart
 # (systemctl restart, Restart=, the watchdog) but drops it on a stop.
 FileDescriptorStorePreserve=yes

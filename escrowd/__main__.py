@@ -11,6 +11,7 @@ import argparse
 import os
 import resource
 import signal
+import socket
 import sys
 
 import trio
@@ -19,7 +20,7 @@ from escrow_client import paths
 
 from . import __version__, keeper
 from .config import Config, MiB
-from .fdstore import FdStore
+from .fdstore import FDS_PER_SESSION, FdStore
 from .lifecycle import StartupError, claimed, take_lock
 from .log import log
 from .pidwatch import wait_exit
@@ -28,6 +29,7 @@ from .service import (
     ActivationError,
     Passed,
     keep_watchdog,
+    keeper_channel,
     notify,
     passed_fds,
     status_line,
@@ -103,10 +105,12 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     return config
 
 
-async def _run(config: Config, passed: Passed, keeper_pid: int | None) -> None:
+async def _run(config: Config, passed: Passed, keeper_pid: int | None,
+               channel: socket.socket | None) -> None:
     with claimed(config.socket_path, passed.listener, keeper_pid is not None) as listening:
         listener = trio.socket.from_stdlib_socket(listening)
-        store = FdStore(os.environ.get("NOTIFY_SOCKET"))
+        store = FdStore(os.environ.get("NOTIFY_SOCKET"), channel)
+        _check_store_room(config, store)
         holder = Holder(config, store, keeper_pid)
         try:
             async with trio.open_nursery() as nursery:
@@ -126,6 +130,22 @@ async def _run(config: Config, passed: Passed, keeper_pid: int | None) -> None:
                                        ready_status)
         finally:
             store.close()
+
+
+def _check_store_room(config: Config, store: FdStore) -> None:
+    """Refuse to start with a session cap the store cannot hold ($FDSTORE, as systemd 254
+    and the keeper say it): the sessions past it would be answered `deposited` and lost at
+    the next restart (systemd drops what does not fit, and says so only in its journal)."""
+    room = os.environ.pop("FDSTORE", "")
+    if not store.enabled or not room.isdigit():
+        return
+    needed = config.max_sessions * FDS_PER_SESSION + 1
+    if needed > int(room):
+        raise StartupError(
+            f"the fd store holds {room} fds, and --max-sessions {config.max_sessions} needs "
+            f"{needed} ({FDS_PER_SESSION} a session, and the holder's own): lower "
+            "--max-sessions, or raise FileDescriptorStoreMax= in the unit (escrowctl "
+            "install-service sizes it) or the keeper's fd limit")
 
 
 def _status(holder: Holder) -> str:
@@ -233,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before trio.run: the event loop opens fds of its own, and fd 3 must still be the
         # one systemd passed (or nothing) when it is looked at.
         passed = passed_fds(config.socket_path)
-        trio.run(_run, config, passed, keeper_pid)
+        channel = keeper_channel(keeper_pid is not None)
+        trio.run(_run, config, passed, keeper_pid, channel)
     except (StartupError, paths.PathError, ActivationError) as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1

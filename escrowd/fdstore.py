@@ -13,13 +13,20 @@ the fds back through `LISTEN_FDS`/`LISTEN_FDNAMES`, named as they were stored:
 Every master is stored with `FDPOLL=0`: systemd would otherwise drop a master that hangs
 up, and with it the exit tail still readable from it.
 
-Without $NOTIFY_SOCKET there is no store: the holder works as before, and its sessions do
-not survive its own death (`enabled` is False, and `status` says so).
+Under the keeper the channel is a socketpair the holder inherits ($ESCROWD_NOTIFY_FD), and
+the keeper answers every store (`ESCROWD_STORED=<n>` or `ESCROWD_STORE_FAILED=<n>`, for the
+`ESCROWD_STORE_ID=<n>` the holder numbered it with): a store counts as done only once it is
+answered. systemd answers nothing; there the datagram's send is all that can be checked, and
+the holder refuses to start with a session cap the store cannot hold ($FDSTORE).
+
+Without either there is no store: the holder works as before, and its sessions do not
+survive its own death (`enabled` is False, and `status` says so).
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import socket
 
@@ -29,10 +36,17 @@ from escrow_client.platform import SEND_FLAGS
 
 from .log import log
 
-# How long a store message may wait for room in the manager's queue before the deposit is
-# refused: the deposit must not be answered before its fds are safe.
+# How long a store message may wait for room in the manager's queue (and, with the keeper,
+# for its answer) before the deposit is refused: it must not be answered before its fds
+# are safe.
 STORE_DEADLINE = 2.0
 HOLDER_NAME = "holder"
+# The fds a session may have in the store at once: its master, its state file and, while an
+# app journals, the journal (escrow_client.journal).
+FDS_PER_SESSION = 3
+# The keeper's channel and its answers (see the module's docstring).
+NOTIFY_FD_ENV = "ESCROWD_NOTIFY_FD"
+STORE_ID, STORED, STORE_FAILED = "ESCROWD_STORE_ID", "ESCROWD_STORED", "ESCROWD_STORE_FAILED"
 
 
 class StoreError(Exception):
@@ -53,13 +67,24 @@ def is_store_name(name: str) -> bool:
 
 
 class FdStore:
-    """A connected datagram socket to $NOTIFY_SOCKET. Resource handling: owns the socket;
-    `close()` closes it. Never blocks the event loop, never raises SIGPIPE."""
+    """A connected datagram socket to $NOTIFY_SOCKET, or the keeper's channel (`channel`,
+    whose stores are answered). Resource handling: owns the socket; `close()` closes it.
+    Never blocks the event loop, never raises SIGPIPE."""
 
-    def __init__(self, address: str | None) -> None:
+    def __init__(self, address: str | None, channel: socket.socket | None = None) -> None:
         self.sock: socket.socket | None = None
         self._pending: list[str] = []  # removals the manager's queue had no room for yet
         self._more = trio.Event()
+        self.answers = channel is not None  # the keeper answers each store
+        self._next_id = 0
+        self._waiting: dict[int, trio.Event] = {}
+        self._answered: dict[int, str | None] = {}  # None: stored; else why it was not
+        # One task at a time may wait for room to send (trio allows one waiter per fd).
+        self._room = trio.Lock()
+        if channel is not None:
+            channel.setblocking(False)
+            self.sock = channel
+            return
         if not address or not address.startswith(("/", "@")):
             return
         target = "\0" + address[1:] if address.startswith("@") else address
@@ -79,11 +104,59 @@ class FdStore:
 
     async def store(self, name: str, fds: list[int]) -> None:
         """Hand copies of `fds` to the store under `name` (they stay ours too). Raises
-        StoreError if the store would not take them within STORE_DEADLINE."""
+        StoreError if the store would not take them within STORE_DEADLINE (with the keeper:
+        if it did not answer that it has them). `read_answers` must be running then."""
         if self.sock is None:
             return
-        message = f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0".encode()
-        await self._send(message, fds)
+        message = f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0"
+        if not self.answers:
+            await self._send(message.encode(), fds)
+            return
+        self._next_id += 1
+        number = self._next_id
+        answered = self._waiting[number] = trio.Event()
+        try:
+            with trio.move_on_after(STORE_DEADLINE):
+                await self._send(f"{message}\n{STORE_ID}={number}".encode(), fds)
+                await answered.wait()
+            if not answered.is_set():
+                raise StoreError("the keeper did not say it has the fds in time")
+            why = self._answered.pop(number)
+            if why is not None:
+                raise StoreError(why)
+        finally:
+            self._waiting.pop(number, None)
+            self._answered.pop(number, None)
+
+    async def read_answers(self) -> None:
+        """Take the keeper's answers to stores (a task for the holder's life; with no
+        keeper it returns at once)."""
+        while self.answers and self.sock is not None:
+            try:
+                await trio.lowlevel.wait_readable(self.sock)
+            except trio.ClosedResourceError:
+                return  # closed: the keeper is gone, and this holder serves on alone
+            while self.sock is not None:
+                try:
+                    data = self.sock.recv(4096)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    log("fd_store", error=exc.strerror or repr(exc), reason="reading answers")
+                    break
+                self._take_answer(data)
+
+    def _take_answer(self, data: bytes) -> None:
+        fields: dict[str, str] = {}
+        for line in data.decode("utf-8", "replace").split("\n"):
+            key, _, value = line.partition("=")
+            fields[key] = value
+        for key, why in ((STORED, None), (STORE_FAILED, fields.get("REASON") or "refused")):
+            number = fields.get(key, "")
+            event = self._waiting.get(int(number)) if number.isdigit() else None
+            if event is not None:
+                self._answered[int(number)] = why
+                event.set()
 
     def remove(self, name: str) -> None:
         """Drop every fd stored under `name` (the session ended). Sent now if the manager's
@@ -105,7 +178,10 @@ class FdStore:
             await self._more.wait()
             self._more = trio.Event()
             while self._pending and self.sock is not None:
-                await trio.lowlevel.wait_writable(self.sock)
+                async with self._room:
+                    if self.sock is not None:
+                        with contextlib.suppress(trio.ClosedResourceError):
+                            await trio.lowlevel.wait_writable(self.sock)
                 self._send_pending()
 
     def _send_pending(self) -> None:
@@ -126,16 +202,19 @@ class FdStore:
         return len(self._pending)
 
     async def _send(self, message: bytes, fds: list[int]) -> None:
-        assert self.sock is not None
         with trio.move_on_after(STORE_DEADLINE):
-            while True:
+            while self.sock is not None:
                 try:
                     self.sock.sendmsg([message], rights_for(fds), SEND_FLAGS)
                     return
                 except BlockingIOError:
-                    await trio.lowlevel.wait_writable(self.sock)
+                    async with self._room:
+                        if self.sock is not None:
+                            with contextlib.suppress(trio.ClosedResourceError):
+                                await trio.lowlevel.wait_writable(self.sock)
                 except OSError as exc:
                     raise StoreError(f"the fd store refused: {exc.strerror or exc}") from None
+            raise StoreError("the fd store is gone")
         raise StoreError("the fd store did not take the fds in time")
 
     def close(self) -> None:

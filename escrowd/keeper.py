@@ -4,19 +4,30 @@ the escrow outlives the holder where systemd does not keep it (DESIGN §11).
 The keeper takes the lock, binds the socket, and runs the holder (`escrowd --bare`) as its
 child, speaking to it the subset of systemd's protocol the holder already speaks:
 `LISTEN_FDS`/`LISTEN_FDNAMES` on start (the listening socket first, then every stored fd),
-and on `NOTIFY_SOCKET` the messages READY, STATUS, WATCHDOG, STOPPING, FDSTORE (with
-FDNAME; FDPOLL is moot, the keeper never polls a stored fd) and FDSTOREREMOVE. It restarts a
-holder that dies, with back-off, and closes a stored fd only on FDSTOREREMOVE or when it
-stops. Connections made while no holder runs wait in the listen backlog.
+and the messages READY, STATUS, WATCHDOG, STOPPING, FDSTORE (with FDNAME; FDPOLL is moot,
+the keeper never polls a stored fd) and FDSTOREREMOVE. It restarts a holder that dies, with
+back-off, and closes a stored fd only on FDSTOREREMOVE or when it stops. Connections made
+while no holder runs wait in the listen backlog.
+
+The messages travel over a datagram socketpair made for each holder it starts (the holder
+inherits one end, `ESCROWD_NOTIFY_FD`), never over a path: nothing a user or a tmp cleaner
+does to a file can cut a healthy holder off from its store (a removed notify socket once
+made the keeper kill its holder for a missed watchdog, and the next one ran with no store),
+and no other process can reach the keeper. Unlike systemd, the keeper answers every
+FDSTORE: `ESCROWD_STORED=<n>` once the fds are in its store, or `ESCROWD_STORE_FAILED=<n>`
+(at its fd limit, the kernel drops fds from the message: MSG_CTRUNC), so the holder answers
+`deposited` only for fds that are really safe here. `FDSTORE=<n>` in the holder's
+environment says how many fds the store can take, as systemd 254 says it.
 
 It has no event loop library and no session logic, so that it is small enough to trust:
-one `poll` over the notify socket and a self-pipe for signals.
+one `poll` over the holder's channel and a self-pipe for signals.
 
 Signals: SIGTERM or SIGINT stop the holder, then the keeper, and close every stored fd
 (the terminals no app holds hang up: this is `escrowctl stop`). SIGHUP replaces the holder
 with the installed code (`escrowctl upgrade`): the new code is tried first, the old holder
 stops in order, the new one adopts every session; if the new one fails, the fds stay here
-and it is retried with back-off.
+and it is retried with back-off. Every holder and trial run is started from `/` and
+isolated from the caller's environment (escrow_client.interpreter).
 """
 
 from __future__ import annotations
@@ -35,10 +46,11 @@ import time
 
 from escrow_client import paths
 from escrow_client.fdpass import close_fds
-from escrow_client.platform import PASSCRED, RECV_FLAGS
+from escrow_client.interpreter import CHILD_CWD, python_command
+from escrow_client.platform import PASSCRED, RECV_FLAGS, SEND_FLAGS
 
 from .config import Config
-from .fdstore import is_store_name
+from .fdstore import NOTIFY_FD_ENV, STORE_FAILED, STORE_ID, STORED, is_store_name
 from .lifecycle import StartupError, bind_socket, remove_leftover_socket, take_lock
 from .log import log
 
@@ -49,6 +61,7 @@ STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
 _RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
 _MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
+_OWN_FDS = 64  # what the keeper needs for itself, beyond the fds it stores
 
 
 def main(config: Config, argv: list[str]) -> int:
@@ -62,55 +75,61 @@ def main(config: Config, argv: list[str]) -> int:
     except (StartupError, paths.PathError) as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1
-    notify_path = socket_path + ".notify"
     listener: socket.socket | None = None
     try:
         remove_leftover_socket(socket_path)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(notify_path)
+            os.unlink(socket_path + ".notify")  # where an older keeper listened
         listener = bind_socket(socket_path)
-        notify = _notify_socket(notify_path)
         log("keeper", pid=os.getpid(), socket=socket_path)
-        with notify:
-            return Keeper(listener, notify, notify_path, argv).run()
+        # The holder is told the socket's absolute path: it starts in `/`, not here.
+        return Keeper(listener, [*argv, "--socket", socket_path]).run()
     except StartupError as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1
     finally:
         if listener is not None:
             listener.close()
-        for leftover in (socket_path, notify_path, paths.pid_path(socket_path)):
+        for leftover in (socket_path, paths.pid_path(socket_path)):
             with contextlib.suppress(OSError):
                 os.unlink(leftover)
         os.close(lock_fd)
 
 
-def _notify_socket(path: str) -> socket.socket:
-    """Where the holder sends its notifications: a datagram socket in the private socket
-    directory, told the sender's credentials with each datagram where the platform can."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """The keeper's end and the holder's end of a new channel. The keeper's end is told
+    the sender's credentials with each datagram where the platform can, and has room for a
+    burst of deposits (one store message each)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        sock.bind(path)
-        os.chmod(path, 0o600)
         if PASSCRED is not None:
-            sock.setsockopt(socket.SOL_SOCKET, PASSCRED, 1)
-        # Deposits come in bursts (one store message each): room for many.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"cannot make the notify socket {path}: {exc.strerror}") from None
-    return sock
+            mine.setsockopt(socket.SOL_SOCKET, PASSCRED, 1)
+        mine.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        mine.setblocking(False)
+    except OSError:
+        mine.close()
+        theirs.close()
+        raise
+    return mine, theirs
+
+
+def store_capacity() -> int:
+    """How many fds this keeper can store: its fd limit, less what it needs for itself."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(0, soft - _OWN_FDS)
 
 
 class Keeper:
-    """Resource handling: owns the stored fds (`store`) and closes them all when it stops;
-    the listener, the notify socket and the lock belong to `main`."""
+    """Resource handling: owns the stored fds (`store`) and closes them all when it stops,
+    and the channel to the running holder; the listener and the lock belong to `main`."""
 
-    def __init__(self, listener: socket.socket, notify: socket.socket, notify_path: str,
-                 argv: list[str]) -> None:
-        self.listener, self.notify, self.notify_path = listener, notify, notify_path
+    def __init__(self, listener: socket.socket, argv: list[str]) -> None:
+        self.listener = listener
         self.argv = argv
+        self.channel: socket.socket | None = None  # the keeper's end, to the running holder
+        self.poller = select.poll()
         self.store: dict[str, list[int]] = {}
         self.holder: int | None = None
         self.holder_started = 0.0
@@ -132,13 +151,11 @@ class Keeper:
         old_wakeup = signal.set_wakeup_fd(wake_w)
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
         old = {s: signal.signal(s, lambda *_: None) for s in handled}
-        poller = select.poll()
-        poller.register(self.notify, select.POLLIN)
-        poller.register(wake_r, select.POLLIN)
+        self.poller.register(wake_r, select.POLLIN)
         try:
             while not (self.stopping and self.holder is None):
                 try:
-                    self._turn(poller, wake_r)
+                    self._turn(wake_r)
                 except Exception as exc:
                     # Out of processes or fds, say: the stored fds are every session's
                     # life, so the keeper never exits on an error; it tries again later.
@@ -152,14 +169,15 @@ class Keeper:
             signal.set_wakeup_fd(old_wakeup)
             os.close(wake_r)
             os.close(wake_w)
+            self._close_channel()
             self._close_store()
         log("keeper_stopped", pid=os.getpid())
         return 0
 
-    def _turn(self, poller: select.poll, wake_r: int) -> None:
+    def _turn(self, wake_r: int) -> None:
         if self.holder is None and not self.stopping and time.monotonic() >= self.restart_at:
             self._start_holder()
-        for fd, _ in poller.poll(self._timeout_ms()):
+        for fd, _ in self.poller.poll(self._timeout_ms()):
             if fd == wake_r:
                 self._signals(os.read(wake_r, 512))
             else:
@@ -198,16 +216,46 @@ class Keeper:
         for name, stored in self.store.items():
             names += [name] * len(stored)
             fds += stored
-        argv = [sys.executable, "-m", "escrowd", "--bare", *self.argv]
-        keeper_pid = os.getpid()
-        pid = os.fork()
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard != resource.RLIM_INFINITY and 3 + len(fds) + 1 > hard:
+            self._not_started(f"{len(fds) - 1} stored fds do not fit a holder's fd limit of "
+                              f"{hard}: raise the hard limit (ulimit -Hn) of the keeper")
+            return
+        mine, theirs = channel_pair()
+        argv = python_command("escrowd", "--bare", *self.argv)
+        env = dict(os.environ, FDSTORE=str(store_capacity()))
+        env[KEEPER_ENV] = str(os.getpid())
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            mine.close()
+            theirs.close()
+            self._not_started(f"cannot fork: {exc.strerror}")
+            return
         if pid == 0:  # the child: nothing here may return to the keeper's loop
             try:
-                _exec_holder(argv, fds, names, self.notify_path, keeper_pid)
+                mine.close()
+                _exec_holder(argv, [*fds, theirs.fileno()], names, env)
+            except BaseException as exc:
+                log("keeper_exec_failed", error=repr(exc), reason="the holder did not start")
             finally:
                 os._exit(127)
+        theirs.close()
+        self.channel = mine
+        self.poller.register(mine, select.POLLIN)
         self.holder, self.holder_started, self.last_ping = pid, time.monotonic(), None
         log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 1)
+
+    def _not_started(self, reason: str) -> None:
+        log("keeper_cannot_start_holder", reason=reason, retry_in=round(self.backoff, 3))
+        self.restart_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.poller.unregister(self.channel)
+            self.channel.close()
+            self.channel = None
 
     def _stop_holder(self) -> None:
         if self.holder is not None and self.stop_deadline is None:  # signalled once only
@@ -221,8 +269,8 @@ class Keeper:
         holder replaced."""
         if self.preflight is None:
             self.preflight = subprocess.Popen(
-                [sys.executable, "-m", "escrowd", "--check"], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                python_command("escrowd", "--check"), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=CHILD_CWD)
 
     def _preflight_done(self) -> None:
         check = self.preflight
@@ -251,6 +299,7 @@ class Keeper:
         if pid == 0:
             return
         self._messages()  # everything it sent before it exited still counts
+        self._close_channel()
         self._holder_exited(os.waitstatus_to_exitcode(status))
 
     def _holder_exited(self, code: int) -> None:
@@ -299,30 +348,38 @@ class Keeper:
 
     def _messages(self) -> None:
         space = socket.CMSG_SPACE(_MAX_FDS_PER_MESSAGE * 4) + socket.CMSG_SPACE(12)
-        while True:
+        while self.channel is not None:
             try:
-                data, ancdata, flags, _ = self.notify.recvmsg(4096, space, RECV_FLAGS)
-            except BlockingIOError:
+                data, ancdata, flags, _ = self.channel.recvmsg(4096, space, RECV_FLAGS)
+            except (BlockingIOError, InterruptedError):
                 return
             fds, sender = _unpack(ancdata)
-            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-                close_fds(fds)
-                log("keeper_refused", reason="a truncated notification")
-                continue
+            fields = _fields(data)
             if sender is not None and sender != self.holder:
                 close_fds(fds)  # only the holder we started may store fds here
                 log("keeper_refused", sender_pid=sender, reason="not from the holder")
                 continue
-            self._handle(_fields(data), fds)
+            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+                # At the fd limit the kernel drops the fds it cannot install: what came is
+                # not the whole message, and the holder must not answer `deposited`.
+                close_fds(fds)
+                log("keeper_refused", name=fields.get("FDNAME"),
+                    reason="a truncated notification (the keeper is out of fds?)")
+                self._answer(fields, False, "the keeper could not take the fds: it is at its "
+                             "file descriptor limit")
+                continue
+            self._handle(fields, fds)
 
     def _handle(self, fields: dict[str, str], fds: list[int]) -> None:
-        if fields.get("FDSTORE") == "1" and fds:
+        if fields.get("FDSTORE") == "1":
             name = fields.get("FDNAME", "stored")
-            if is_store_name(name):
+            if fds and is_store_name(name):
                 self.store.setdefault(name, []).extend(fds)
                 fds = []
+                self._answer(fields, True)
             else:
                 log("keeper_refused", name=name, reason="not a name the holder stores")
+                self._answer(fields, False, "not a name the holder stores, or no fds")
         close_fds(fds)  # fds that came without a valid FDSTORE are not kept
         if fields.get("FDSTOREREMOVE") == "1":
             close_fds(self.store.pop(fields.get("FDNAME", ""), []))
@@ -331,15 +388,28 @@ class Keeper:
         if fields.get("READY") == "1" or fields.get("WATCHDOG") == "1":
             self.last_ping = time.monotonic()
 
+    def _answer(self, fields: dict[str, str], stored: bool, reason: str = "") -> None:
+        """Tell the holder whether a store it numbered (ESCROWD_STORE_ID) was kept. A
+        holder that gets no answer in time refuses the deposit itself."""
+        number = fields.get(STORE_ID)
+        if number is None or self.channel is None:
+            return
+        text = f"{STORED}={number}" if stored else f"{STORE_FAILED}={number}\nREASON={reason}"
+        try:
+            self.channel.send(text.encode(), SEND_FLAGS)
+        except OSError as exc:  # its queue is full, or it died: it times out, or is gone
+            log("keeper_answer_lost", store_id=number, error=exc.strerror or repr(exc))
+
     def _close_store(self) -> None:
         for fds in self.store.values():
             close_fds(fds)
         self.store.clear()
 
 
-def _exec_holder(argv: list[str], fds: list[int], names: list[str], notify_path: str,
-                 keeper_pid: int) -> None:
-    """In the forked child: put `fds` at 3, 4, ... as systemd would, and exec the holder."""
+def _exec_holder(argv: list[str], fds: list[int], names: list[str],
+                 env: dict[str, str]) -> None:
+    """In the forked child: put `fds` at 3, 4, ... as systemd would (the last one, the
+    channel, just after the LISTEN_FDS ones), and exec the holder from `/`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:  # a holder with many sessions needs many fds; so does this shuffle
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -349,11 +419,13 @@ def _exec_holder(argv: list[str], fds: list[int], names: list[str], notify_path:
     fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, end) if fd < end else fd for fd in fds]
     for target, fd in enumerate(fds, start=3):
         os.dup2(fd, target)  # inheritable
-    env = dict(os.environ)
-    env.update(LISTEN_FDS=str(len(fds)), LISTEN_PID=str(os.getpid()),
-               LISTEN_FDNAMES=":".join(names), NOTIFY_SOCKET=notify_path,
-               WATCHDOG_USEC=str(int(WATCHDOG_SECONDS * 1e6)), WATCHDOG_PID=str(os.getpid()))
-    env[KEEPER_ENV] = str(keeper_pid)
+    listen = len(fds) - 1
+    env.update(LISTEN_FDS=str(listen), LISTEN_PID=str(os.getpid()),
+               LISTEN_FDNAMES=":".join(names), WATCHDOG_USEC=str(int(WATCHDOG_SECONDS * 1e6)),
+               WATCHDOG_PID=str(os.getpid()))
+    env[NOTIFY_FD_ENV] = str(3 + listen)
+    env.pop("NOTIFY_SOCKET", None)  # a variable meant for the keeper's own manager
+    os.chdir(CHILD_CWD)
     os.execve(argv[0], argv, env)
 
 

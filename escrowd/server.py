@@ -102,6 +102,7 @@ class Holder:
         `_stop_in_order`) and return. Cancelled instead, it stops at once."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self.store.read_answers)  # before adoption stores anything
             self.adoption = await adopt(self, stored or {})
             nursery.start_soon(self._accept_loop, listener)
             nursery.start_soon(self._expire_unclaimed)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .fdstore import is_store_name
+from .fdstore import NOTIFY_FD_ENV, is_store_name
 
 SD_LISTEN_FDS_START = 3
 
@@ -24,14 +24,50 @@ SD_LISTEN_FDS_START = 3
 _LIVE_STATES = ("held", "draining", "handing_off", "exited")
 
 
-def notify(state: str) -> bool:
-    """Send `state` (e.g. "READY=1", several lines at once allowed) to $NOTIFY_SOCKET.
+# The keeper's channel, when a keeper started this holder (see keeper_channel).
+_channel: socket.socket | None = None
 
-    One datagram on a fresh AF_UNIX SOCK_DGRAM socket; an address starting with "@" is in the
-    abstract namespace. The send never blocks (a service manager that does not read its queue
-    must not freeze the holder's event loop) and never raises SIGPIPE. Returns False if there
-    is no notify socket or the datagram could not be sent.
+
+def keeper_channel(from_keeper: bool) -> socket.socket | None:
+    """The datagram socket the keeper passed ($ESCROWD_NOTIFY_FD, just after the LISTEN_FDS
+    ones), made close-on-exec; None if none was passed, or this holder's parent is not
+    its keeper (`from_keeper`: the variable was inherited, not meant for us). Call it right
+    after passed_fds. From then on `notify` writes there, as the fd store does."""
+    global _channel
+    value = os.environ.pop(NOTIFY_FD_ENV, None)
+    if not from_keeper or value is None or not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_DGRAM:
+        sock.detach()  # not the keeper's: never ours to close
+        return None
+    sock.set_inheritable(False)
+    _channel = sock
+    return sock
+
+
+def notify(state: str) -> bool:
+    """Send `state` (e.g. "READY=1", several lines at once allowed) to the keeper's channel
+    or $NOTIFY_SOCKET.
+
+    One datagram (on $NOTIFY_SOCKET, from a fresh AF_UNIX SOCK_DGRAM socket; an address
+    starting with "@" is in the abstract namespace). The send never blocks (a service
+    manager that does not read its queue must not freeze the holder's event loop) and never
+    raises SIGPIPE. Returns False if there is no notify socket or the datagram could not be
+    sent.
     """
+    if _channel is not None:
+        try:
+            _channel.send(state.encode(), getattr(socket, "MSG_NOSIGNAL", 0))
+            return True
+        except OSError:
+            return False
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False

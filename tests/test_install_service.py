@@ -81,9 +81,9 @@ def test_units_agree_with_each_other_and_the_cli() -> None:
     # stop is not undone by a restart, a crash or a watchdog timeout is.
     assert s["KillMode"] == "process"
     # The escrow outlives the holder: any exit restarts it, and systemd keeps every
-    # session's two fds meanwhile (room for twice the default session limit).
+    # session's fds meanwhile (room for three a session at the default session limit).
     assert s["Restart"] == "always"
-    assert int(s["FileDescriptorStoreMax"]) > 2 * 2048
+    assert int(s["FileDescriptorStoreMax"]) == 3 * 2048 + 1
     assert s["FileDescriptorStorePreserve"] == "yes"
     assert float(s["WatchdogSec"]) > 0
     argv = shlex.split(s["ExecStart"])
@@ -97,6 +97,22 @@ def test_units_agree_with_each_other_and_the_cli() -> None:
     # A unit that hits a start limit fails and loses its fd store: there is none.
     assert svc["Unit"]["StartLimitIntervalSec"] == "0"
     assert options_of(argv[1:]) <= escrowd_options()
+
+
+def test_the_store_is_sized_for_the_session_cap_escrowd_is_given() -> None:
+    """Incident pinned: the unit fixed FileDescriptorStoreMax=4224, so a holder run with
+    --max-sessions above about 2,112 answered `deposited` for sessions systemd then
+    dropped from its full store (saying so only in its journal): lost at the next restart.
+    The unit is sized from the arguments, with the holder's own numbers."""
+    from escrowd.config import Config
+    from escrowd.fdstore import FDS_PER_SESSION
+
+    assert service_files.DEFAULT_MAX_SESSIONS == Config(socket_path="").max_sessions
+    assert service_files.FDS_PER_SESSION == FDS_PER_SESSION
+    for extra, sessions in (([], 2048), (["--max-sessions", "5000"], 5000),
+                            (["--ring-bytes", "1", "--max-sessions=10"], 10)):
+        unit = read_unit(service_files.systemd_service(["/bin/escrowd"], extra_args=extra))
+        assert int(unit["Service"]["FileDescriptorStoreMax"]) == sessions * FDS_PER_SESSION + 1
 
 
 def test_install_service_writes_units_that_systemd_accepts(tmp_path: Path) -> None:

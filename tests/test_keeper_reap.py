@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -25,13 +24,12 @@ from escrowd import keeper
 from escrowd.fdstore import rights_for
 
 
-def _holder_sends_and_dies(path: str, message: bytes, fds: list[int]) -> int:
+def _holder_sends_and_dies(end: socket.socket, message: bytes, fds: list[int]) -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                sock.sendmsg([message], rights_for(fds), 0, path)
+            end.sendmsg([message], rights_for(fds))
             code = 0
         finally:
             os._exit(code)
@@ -41,26 +39,30 @@ def _holder_sends_and_dies(path: str, message: bytes, fds: list[int]) -> int:
 
 
 @pytest.fixture
-def the_keeper(tmp_path: Path) -> Iterator[keeper.Keeper]:
-    notify_path = str(tmp_path / "escrowd.sock.notify")
+def the_keeper() -> Iterator[tuple[keeper.Keeper, socket.socket]]:
+    """A keeper and the holder's end of its channel, as a started holder has them."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    notify = keeper._notify_socket(notify_path)
-    k = keeper.Keeper(listener, notify, notify_path, [])
-    yield k
+    k = keeper.Keeper(listener, [])
+    k.channel, holder_end = keeper.channel_pair()
+    k.poller.register(k.channel)
+    yield k, holder_end
+    k._close_channel()
+    holder_end.close()
     k._close_store()
-    notify.close()
     listener.close()
 
 
-def test_a_store_message_sent_just_before_dying_is_kept(the_keeper: keeper.Keeper) -> None:
+def test_a_store_message_sent_just_before_dying_is_kept(
+    the_keeper: tuple[keeper.Keeper, socket.socket],
+) -> None:
+    k, holder_end = the_keeper
     r, w = os.pipe()
     try:
-        the_keeper.holder = _holder_sends_and_dies(
-            the_keeper.notify_path, b"FDSTORE=1\nFDNAME=session-abc\nFDPOLL=0", [r])
-        the_keeper._reap()
-        assert the_keeper.holder is None
-        the_keeper._messages()
-        (stored,) = the_keeper.store["session-abc"]
+        k.holder = _holder_sends_and_dies(
+            holder_end, b"FDSTORE=1\nFDNAME=session-abc\nFDPOLL=0", [r])
+        k._reap()
+        assert k.holder is None
+        (stored,) = k.store["session-abc"]
         assert os.path.samestat(os.fstat(stored), os.fstat(r))
     finally:
         os.close(r)
@@ -68,15 +70,14 @@ def test_a_store_message_sent_just_before_dying_is_kept(the_keeper: keeper.Keepe
 
 
 def test_a_remove_message_sent_just_before_dying_is_acted_on(
-    the_keeper: keeper.Keeper,
+    the_keeper: tuple[keeper.Keeper, socket.socket],
 ) -> None:
+    k, holder_end = the_keeper
     r, w = os.pipe()
     os.close(r)
-    the_keeper.store["session-abc"] = [w]
-    the_keeper.holder = _holder_sends_and_dies(
-        the_keeper.notify_path, b"FDSTOREREMOVE=1\nFDNAME=session-abc", [])
-    the_keeper._reap()
-    the_keeper._messages()
-    assert "session-abc" not in the_keeper.store
+    k.store["session-abc"] = [w]
+    k.holder = _holder_sends_and_dies(holder_end, b"FDSTOREREMOVE=1\nFDNAME=session-abc", [])
+    k._reap()
+    assert "session-abc" not in k.store
     with pytest.raises(OSError):
         os.fstat(w)  # the keeper closed its copy
