@@ -128,19 +128,19 @@ class HolderProcess:
 
 
 def start_holder(directory: Path, *args: str, env: dict[str, str] | None = None,
-                 keeper: bool = False, cwd: Path | None = None) -> HolderProcess:
+                 keeper: bool = False, python: str | None = None) -> HolderProcess:
     """Start `python -m escrowd` on a socket in `directory` and wait until it is ready: the
     bare holder (one process, whose fds the tests count), or with `keeper` the pair as users
-    run it (then `pid` is the keeper's). `python -m` looks in `cwd` first: an escrowd there
-    is the installed code it runs."""
+    run it (then `pid` is the keeper's). `python`: the interpreter of another installation
+    (tests/installation.py), whose code it runs."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     sock = str(directory / "escrowd.sock")
     log_path = directory / "escrowd.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "escrowd", *([] if keeper else ["--bare"]), "--socket",
-             sock, *args],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=cwd,
+            [python or sys.executable, "-m", "escrowd", *([] if keeper else ["--bare"]),
+             "--socket", sock, *args],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
         )
     holder = HolderProcess(sock, proc, log_path, extra_args=list(args), keeper=keeper)
 
@@ -169,9 +169,9 @@ def make_holder(socket_dir: Path) -> Iterator[Callable[..., HolderProcess]]:
     holders: list[HolderProcess] = []
 
     def make(*args: str, name: str = "h", env: dict[str, str] | None = None,
-             keeper: bool = False, cwd: Path | None = None) -> HolderProcess:
+             keeper: bool = False, python: str | None = None) -> HolderProcess:
         h = start_holder(socket_dir / f"{name}{len(holders)}", *args, env=env, keeper=keeper,
-                         cwd=cwd)
+                         python=python)
         holders.append(h)
         return h
 

@@ -1,10 +1,10 @@
 """The keeper as users run it (`escrowd` without `--bare`): a real keeper and its holder.
 
-- Only its holder stores fds with it. Any process of the user can send a datagram to the
-  keeper's notify socket (`<socket>.notify`); fds one sends there are closed and logged,
-  never kept: kept, they would be passed to the next holder as if they were sessions, and
-  whatever the sender passed (the read end of a pipe, here) stayed open in the keeper for
-  as long as it runs.
+- Only its holder stores fds with it. The two talk over a socketpair made for each holder
+  (no path any other process could send to, or a user could remove); and fds that reach
+  the keeper from any process but its holder all the same (a child of the holder, say) are
+  closed and logged, never kept: kept, they would be passed to the next holder as if they
+  were sessions, and stay open in the keeper for as long as it runs.
 - An upgrade whose new code does not start (`escrowd --check` fails) changes nothing: the
   working holder is not stopped and serves on, every session with it. Stopped first, the
   sessions would wait with the keeper for a holder that cannot start.
@@ -13,48 +13,52 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hostile import read_more_lines
+from installation import make_installation, site_packages
 from survival import TICKER, assert_one_stream
-from test_survive import kill_serving_holder
 
-import escrowd
 from conftest import HolderProcess, PtyChild, wait_for
 from escrow_client.liveness import process_alive, process_start_time
+from escrowd import keeper
 from escrowd.fdstore import rights_for
 
 
-def test_fds_sent_to_the_keeper_by_another_process_are_not_kept(
+def test_there_is_no_path_to_the_keeper_but_the_socket(
     make_holder: Callable[..., HolderProcess],
 ) -> None:
+    """Incident pinned: the keeper listened on `<socket>.notify`, a path any process of the
+    user could send fds to, and a tmp cleaner (or a user) could remove: removed, the holder
+    could no longer ping or store, and the keeper SIGKILLed it 30 s later for a missed
+    watchdog. Now the socket directory holds the socket clients use, the lock and the
+    pidfile, and no other socket."""
     holder = make_holder(keeper=True)
+    directory = Path(holder.socket).parent
+    sockets = [p.name for p in directory.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets == ["escrowd.sock"], sockets
+
+
+def test_fds_a_process_but_the_holder_sends_the_keeper_are_not_kept() -> None:
+    """On the holder's own channel, from a process that is not the holder (a forked child
+    of it, say): closed, logged, never kept."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    k = keeper.Keeper(listener, [])
+    k.channel, holder_end = keeper.channel_pair()
+    k.poller.register(k.channel)
     r, w = os.pipe()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
-            stranger.sendmsg([b"FDSTORE=1\nFDNAME=session-stranger\nFDPOLL=0"],
-                             rights_for([r]), 0, holder.socket + ".notify")
+        k.holder = os.getppid()  # anyone but this process
+        holder_end.sendmsg([b"FDSTORE=1\nFDNAME=session-stranger\nFDPOLL=0"], rights_for([r]))
         os.close(r)
         r = -1
-        # The keeper reads every notification sent before its holder died before it starts
-        # the next one: what that one is passed is what the keeper kept.
-        kill_serving_holder(holder)
-        started = holder.log_lines("keeper_started_holder")
-        assert len(started) == 2, started
-        # The first holder stored its own state file (one fd), nothing else.
-        assert " stored_fds=1 " in started[1] + " ", (
-            f"the next holder was passed fds a process that is not the holder sent: "
-            f"{started[1]}")
-        assert not [line for line in holder.log_lines("adopt_refused")
-                    if "session-stranger" in line], holder.logs()
-        refused = [line for line in holder.log_lines("keeper_refused")
-                   if f" sender_pid={os.getpid()} " in line + " "]
-        assert len(refused) == 1 and "not from the holder" in refused[0], holder.logs()
+        k._messages()
+        assert k.store == {}, "fds a process but the holder sent were kept"
         # Nothing holds the pipe's read end open any more: the keeper closed its copy.
         with pytest.raises(BrokenPipeError):
             os.write(w, b"x")
@@ -62,21 +66,23 @@ def test_fds_sent_to_the_keeper_by_another_process_are_not_kept(
         if r >= 0:
             os.close(r)
         os.close(w)
+        k._close_channel()
+        holder_end.close()
+        listener.close()
 
 
 def test_an_upgrade_whose_check_fails_leaves_the_working_holder_serving(
     make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
     tmp_path: Path,
 ) -> None:
-    """The installed code is a copy of escrowd that `python -m escrowd` finds first (the
-    keeper runs in its directory). Once the holder runs, the copy is broken as an upgrade
-    might leave it: a module imports something not installed. SIGHUP (`escrowctl upgrade`)
-    makes the keeper try `escrowd --check`, which fails: the refusal is logged, the same
-    holder serves on, and its session drains on without a gap."""
+    """The keeper runs an installation of its own (tests/installation.py). Once the holder
+    runs, its code is broken as an upgrade might leave it: a module imports something not
+    installed. SIGHUP (`escrowctl upgrade`) makes the keeper try `escrowd --check`, which
+    fails: the refusal is logged, the same holder serves on, and its session drains on
+    without a gap."""
     installed = tmp_path / "installed"
-    shutil.copytree(Path(escrowd.__file__).parent, installed / "escrowd",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    holder = make_holder(keeper=True, cwd=installed)
+    python = make_installation(installed)
+    holder = make_holder(keeper=True, python=str(python))
     client = holder.client()
     kid = pty_children(TICKER)
     first = read_more_lines(kid.master, b"", 2)
@@ -85,7 +91,7 @@ def test_an_upgrade_whose_check_fails_leaves_the_working_holder_serving(
     kid.master = -1
     before = client.status()
     serving_start = process_start_time(before.pid)
-    handoff = installed / "escrowd" / "handoff.py"
+    handoff = site_packages(installed) / "escrowd" / "handoff.py"
     handoff.write_text(handoff.read_text() + "\nimport escrowd_dependency_not_installed\n")
 
     def refusals() -> int:
