@@ -8,6 +8,7 @@ Exit status: 0 after a clean stop (SIGTERM, SIGINT, or --idle-exit), 1 when it c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import signal
@@ -62,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="time to send a handoff")
     p.add_argument("--ack-deadline", type=float, default=d.ack_deadline, metavar="SECONDS",
                    help="time to wait for the app's ack after a handoff is sent")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions, metavar="N")
+    p.add_argument("--max-sessions", type=int, metavar="N",
+                   help=f"sessions held at once (default {d.max_sessions}, or fewer if the fd "
+                   "store cannot hold that many: given, a cap the store cannot hold is refused)")
     p.add_argument("--ring-bytes", type=int, default=d.ring_bytes, metavar="BYTES",
                    help="replay kept per session (default 1 MiB)")
     p.add_argument("--total-ring-bytes", type=int, default=d.total_ring_bytes, metavar="BYTES",
@@ -80,12 +83,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config:
+    d = Config(socket_path="")
     config = Config(
         socket_path=paths.resolve_socket_path(args.socket),
         drain_stop_budget=args.drain_stop_budget,
         send_deadline=args.send_deadline,
         ack_deadline=args.ack_deadline,
-        max_sessions=args.max_sessions,
+        max_sessions=d.max_sessions if args.max_sessions is None else args.max_sessions,
         ring_bytes=args.ring_bytes,
         total_ring_bytes=args.total_ring_bytes,
         max_connections=args.max_connections,
@@ -106,11 +110,11 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
 
 
 async def _run(config: Config, passed: Passed, keeper_pid: int | None,
-               channel: socket.socket | None) -> None:
+               channel: socket.socket | None, explicit_cap: bool) -> None:
     with claimed(config.socket_path, passed.listener, keeper_pid is not None) as listening:
         listener = trio.socket.from_stdlib_socket(listening)
         store = FdStore(os.environ.get("NOTIFY_SOCKET"), channel)
-        _check_store_room(config, store)
+        config = _fit_store(config, store, explicit_cap)
         holder = Holder(config, store, keeper_pid)
         try:
             async with trio.open_nursery() as nursery:
@@ -132,20 +136,28 @@ async def _run(config: Config, passed: Passed, keeper_pid: int | None,
             store.close()
 
 
-def _check_store_room(config: Config, store: FdStore) -> None:
-    """Refuse to start with a session cap the store cannot hold ($FDSTORE, as systemd 254
-    and the keeper say it): the sessions past it would be answered `deposited` and lost at
-    the next restart (systemd drops what does not fit, and says so only in its journal)."""
+def _fit_store(config: Config, store: FdStore, explicit_cap: bool) -> Config:
+    """The session cap the store can hold ($FDSTORE, as systemd 254 and the keeper say it):
+    past it, sessions would be answered `deposited` and lost at the next restart (systemd
+    drops what does not fit, and says so only in its journal). A cap the user gave
+    (`explicit_cap`) that does not fit is refused at start; the default is lowered to fit,
+    and says so."""
     room = os.environ.pop("FDSTORE", "")
     if not store.enabled or not room.isdigit():
-        return
+        return config
     needed = config.max_sessions * FDS_PER_SESSION + 1
-    if needed > int(room):
+    if needed <= int(room):
+        return config
+    if explicit_cap:
         raise StartupError(
             f"the fd store holds {room} fds, and --max-sessions {config.max_sessions} needs "
             f"{needed} ({FDS_PER_SESSION} a session, and the holder's own): lower "
             "--max-sessions, or raise FileDescriptorStoreMax= in the unit (escrowctl "
             "install-service sizes it) or the keeper's fd limit")
+    fits = max(0, (int(room) - 1) // FDS_PER_SESSION)
+    log("limit", max_sessions=fits, reason=f"the fd store holds {room} fds: the default of "
+        f"{config.max_sessions} sessions does not fit")
+    return dataclasses.replace(config, max_sessions=fits)
 
 
 def _status(holder: Holder) -> str:
@@ -202,11 +214,14 @@ def _raise_fd_limit() -> None:
     usual soft 1024 would refuse deposits long before --max-sessions)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
+    # macOS refuses a soft limit above kern.maxfilesperproc even under an unlimited hard one:
+    # ask for less until it is granted (or keep what we have: deposits past it get `limit`).
+    while soft != resource.RLIM_INFINITY and soft < wanted:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            return
         except (ValueError, OSError):
-            pass  # keep what we have; deposits past it get `limit`
+            wanted //= 2
 
 
 def _check() -> int:
@@ -254,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         # one systemd passed (or nothing) when it is looked at.
         passed = passed_fds(config.socket_path)
         channel = keeper_channel(keeper_pid is not None)
-        trio.run(_run, config, passed, keeper_pid, channel)
+        trio.run(_run, config, passed, keeper_pid, channel, args.max_sessions is not None)
     except (StartupError, paths.PathError, ActivationError) as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1

@@ -279,3 +279,24 @@ def test_a_removal_that_finds_the_store_full_is_sent_once_it_has_room(
         assert kid.proc.wait(10) == -signal.SIGHUP
     finally:
         holder.stop()
+
+
+def test_a_session_cap_the_store_cannot_hold_is_refused_or_lowered(
+    make_holder: Callable[..., HolderProcess], store: Store, socket_dir: Path,
+) -> None:
+    """Incident pinned: the unit fixed FileDescriptorStoreMax=4224, so a holder with a
+    higher --max-sessions answered `deposited` for sessions systemd then dropped, saying so
+    only in its journal. With $FDSTORE (systemd 254, and the keeper) the holder knows the
+    store's room: a cap given that does not fit is refused at start, saying how to fix it;
+    the default is lowered to fit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LISTEN_", "WATCHDOG_"))}
+    env.update(NOTIFY_SOCKET=store.path, FDSTORE="31")
+    refused = subprocess.run(
+        [sys.executable, "-m", "escrowd", "--bare", "--socket",
+         str(socket_dir / "refused.sock"), "--max-sessions", "11"],
+        env=env, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert refused.returncode == 1, refused.stderr
+    assert "the fd store holds 31 fds, and --max-sessions 11 needs 34" in refused.stderr
+    holder = make_holder(env=env)
+    assert holder.client().status().limits["max_sessions"] == 10
+    assert holder.log_lines("limit"), holder.logs()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import stat
@@ -23,8 +24,10 @@ import pytest
 from hostile import read_more_lines
 from installation import make_installation, site_packages
 from survival import TICKER, assert_one_stream
+from test_survive import kill_serving_holder
 
 from conftest import HolderProcess, PtyChild, wait_for
+from escrow_client import EscrowClient, EscrowError
 from escrow_client.liveness import process_alive, process_start_time
 from escrowd import keeper
 from escrowd.fdstore import rights_for
@@ -120,3 +123,87 @@ def test_an_upgrade_whose_check_fails_leaves_the_working_holder_serving(
         assert_one_stream(first, got.replay, read_more_lines(got.fd, b"", 2), None)
     finally:
         os.close(got.fd)
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_deposited_means_the_keeper_has_the_fds(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """Incident pinned: with the keeper at its fd limit (`prlimit --nofile` on it), deposits
+    were answered `deposited` while the keeper logged "a truncated notification" and kept
+    nothing: after a holder SIGKILL those shells were gone. Now the keeper answers each
+    store, and one it could not take is an error to the app: `limit`, the session not
+    kept, the app still holding its terminal. What was deposited before survives."""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    before = pty_children(TICKER)
+    first = read_more_lines(before.master, b"", 2)
+    client.hand_off("before", before.master, child_pid=before.pid)
+    os.close(before.master)
+    before.master = -1
+    limits = resource.prlimit(holder.pid, resource.RLIMIT_NOFILE)
+    # Room for one fd more, not for a deposit's two.
+    resource.prlimit(holder.pid, resource.RLIMIT_NOFILE,
+                     (_open_fds(holder.pid) + 1, limits[1]))
+    try:
+        kid = pty_children(TICKER)
+        with pytest.raises(EscrowError) as refused:
+            client.hand_off("at-limit", kid.master, child_pid=kid.pid)
+        assert refused.value.code == "limit", refused.value
+        assert "file descriptor limit" in str(refused.value), refused.value
+        assert [s.id for s in client.list()] == ["before"]
+        assert read_more_lines(kid.master, b"", 2), "the app no longer reads its terminal"
+        assert holder.log_lines("keeper_refused"), holder.logs()
+    finally:
+        resource.prlimit(holder.pid, resource.RLIMIT_NOFILE, limits)
+    kill_serving_holder(holder)
+    got = client.retrieve("before")
+    try:
+        assert_one_stream(first, got.replay, read_more_lines(got.fd, b"", 2),
+                          got.session.replay_gap_at)
+    finally:
+        os.close(got.fd)
+
+
+def test_a_keeper_that_cannot_start_a_holder_says_why_and_keeps_the_fds(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """Incident pinned: with the keeper's hard fd limit lowered, every new holder exited 127
+    in a loop, with no reason logged. Now each try says why, and the stored fds stay with
+    the keeper (the session's shell lives on) for when a holder can start. (A hard limit
+    cannot be raised again without privilege: the keeper is stopped at the end.)"""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    kid = pty_children(TICKER)
+    client.hand_off("tab", kid.master, child_pid=kid.pid)
+    os.close(kid.master)
+    kid.master = -1
+    stored = _open_fds(holder.pid)
+    # Below what a holder needs for the fds it is passed (3 + listener + stored + channel).
+    resource.prlimit(holder.pid, resource.RLIMIT_NOFILE, (4, 4))
+    try:
+        os.kill(client.status().pid, signal.SIGKILL)
+        wait_for(lambda: len(holder.log_lines("keeper_cannot_start_holder")) >= 2, 15.0,
+                 "the keeper to say, at each try, why it cannot start a holder")
+        line = holder.log_lines("keeper_cannot_start_holder")[-1]
+        assert "fd limit of 4" in line and "retry_in=" in line, line
+        assert not [e for e in holder.log_lines("keeper_holder_exited")
+                    if " code=127 " in e + " "], holder.logs()
+        assert kid.proc.poll() is None, "the session's shell did not live on"
+        # The keeper still holds the session's fds (its own, less the channel to the dead
+        # holder): nothing was closed for want of a holder.
+        assert _open_fds(holder.pid) >= stored - 1
+    finally:
+        holder.proc.terminate()
+        holder.proc.wait(30)
+
+
+def _answers(client: EscrowClient) -> bool:
+    try:
+        client.status()
+    except EscrowError:
+        return False
+    return True
