@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -55,14 +56,29 @@ class App:
     def __init__(self, socket_path: str, sid: str, out: Path) -> None:
         self.out = out
         self.proc = subprocess.Popen([sys.executable, "-c", APP, socket_path, sid, str(out)],
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.child = json.loads(self.proc.stdout.readline())["child"]
+                                     stdout=subprocess.PIPE)
+        self._unread = b""  # what the app printed past the last line taken
+        self.child = self._line(10.0, "its deposit")["child"]
 
-    def next_change(self) -> dict[str, object]:
+    def next_change(self, what: str, timeout: float = 10.0) -> dict[str, object]:
+        """The app's next protection change, which must come within `timeout` (`what`
+        says which change is awaited)."""
+        return self._line(timeout, what)
+
+    def _line(self, timeout: float, what: str) -> dict[str, object]:
+        # Read with a deadline of our own: a change that never comes fails saying so,
+        # rather than blocking in readline() until pytest's timeout.
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the app ended"
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._unread:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"the app did not report {what} within {timeout}s")
+            chunk = os.read(fd, 4096)
+            assert chunk, f"the app ended before it reported {what}"
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
         change: dict[str, object] = json.loads(line)
         return change
 
@@ -113,9 +129,9 @@ def test_custody_is_resumed_on_the_restarted_holder_by_itself(
 
     killed_at = time.time()
     kill_serving_holder(holder)
-    lapsed = app.next_change()
+    lapsed = app.next_change("the lapse of protection once the holder died")
     assert lapsed["protected"] is False and float(lapsed["t"]) - killed_at < 1.0, lapsed  # type: ignore[arg-type]
-    back = app.next_change()
+    back = app.next_change("custody taken back on the restarted holder")
     assert back["protected"] is True, back
     print(f"custody resumed {float(back['t']) - killed_at:.3f}s after the holder's death")  # type: ignore[arg-type]
     assert float(back["t"]) - killed_at < 5.0  # type: ignore[arg-type]
@@ -152,10 +168,10 @@ def test_after_a_total_loss_the_app_deposits_its_session_again(
     os.kill(record.pid, signal.SIGKILL)  # and its holder
     first.proc.wait()
     lost_at = time.time()
-    assert app.next_change()["protected"] is False
+    assert app.next_change("the lapse of protection once the holder died")["protected"] is False
     second = start_holder(directory, keeper=True)
     try:
-        back = app.next_change()
+        back = app.next_change("its session deposited again on the new holder")
         assert back["protected"] is True
         print(f"deposited again {float(back['t']) - lost_at:.3f}s after the loss")  # type: ignore[arg-type]
         assert float(back["t"]) - lost_at < 5.0  # type: ignore[arg-type]
