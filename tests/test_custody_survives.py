@@ -5,7 +5,9 @@ holder, and the app was none the wiser: the new holder listed nothing, the app l
 on its next call, `custody.close()` returned normally, and when the app later crashed its
 shells died. Here a real app process holds custody and does nothing after its deposit: its
 `Custody` notices the hang-up by itself, tells the app (`on_change`), and takes custody
-back on the new holder, resumed or deposited again.
+back on the new holder, resumed or deposited again. A new holder with less room than
+the app needs (`--max-sessions`) takes back what fits, and custody says that the rest is
+not protected (those tests hold custody in-process: what they test is the Custody object).
 """
 
 from __future__ import annotations
@@ -425,6 +427,7 @@ def one_session_refused(socket_dir: Path, journal: bool) -> Iterator[OneRefused]
         custody.close()
         for fd in [*old_state_files.values(), *(fd for pair in terminals for fd in pair)]:
             os.close(fd)
+        first.stop()  # (dead already, unless something failed before its SIGKILL)
         if second is not None:
             second.release_everything()
             second.wait_fds_at_baseline()
