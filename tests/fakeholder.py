@@ -5,12 +5,14 @@ misbehaves as the test says.
 The test gives one *script* per connection it expects, in order: a function of the greeted
 `Peer`. The server accepts a connection, answers its `hello` with a `welcome`, runs the next
 script, and closes the connection when the script returns (with `repeat_last`, the last
-script serves every further connection until `close()`). Once every script has run it
+script serves every further connection until `close()`). Connections are served one at a
+time, or with `concurrent` each in a thread of its own from the moment it is accepted (a
+custody connection stays open while its client opens others). Once every script has run it
 closes its listener too, so a further connection is refused, as by a holder that is gone
 (the socket file stays). Everything a client sent after its `hello` is recorded per connection in
 `FakeHolder.received`, so a test can assert what never left the client (an `ack`, say).
 
-Resource handling: `close()` (or the end of a `with` block) joins the thread, closes the
+Resource handling: `close()` (or the end of a `with` block) joins the threads, closes the
 listener, and re-raises in the test's thread whatever a script raised. The fake holder owns
 no fd it sends: the test keeps its own and closes them.
 
@@ -53,11 +55,19 @@ class Peer:
 
     def receive(self) -> protocol.Request:
         """The client's next message (recorded). EOFError when it hung up."""
+        return self.receive_carrying()[0]
+
+    def receive_carrying(self) -> tuple[protocol.Request, int | None]:
+        """The client's next message (recorded), and the number of the terminal whose
+        master came with it (None: no fd, or not a pty master)."""
         body, fds = fdpass.recv_frame(self.sock, protocol.MAX_REQUEST_BYTES)
-        fdpass.close_fds(fds)  # nothing here keeps what a client sends
+        try:
+            terminal = pty_number(fds[0]) if fds else None
+        finally:
+            fdpass.close_fds(fds)  # nothing here keeps what a client sends
         message = protocol.decode_request(body)
         self.received.append(message)
-        return message
+        return message, terminal
 
     def expect(self, kind: type[T]) -> T:
         message = self.receive()
@@ -88,6 +98,7 @@ class FakeHolder:
         welcome_delay: float = 0.0,
         timeout: float = 10.0,
         repeat_last: bool = False,
+        concurrent: bool = False,
     ) -> None:
         self.socket_path = str(directory / "fake.sock")
         self.received: list[list[protocol.Request]] = []
@@ -96,8 +107,10 @@ class FakeHolder:
         self._welcome_delay = welcome_delay
         self._timeout = timeout
         self._repeat_last = repeat_last  # serve the last script until close()
+        self._concurrent = concurrent
+        self._connections: list[threading.Thread] = []  # with `concurrent`, one each
         self._closing = False
-        self._error: BaseException | None = None
+        self._errors: list[BaseException] = []
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.socket_path)
         self._listener.listen(8)
@@ -118,35 +131,50 @@ class FakeHolder:
                 if self._closing:  # close()'s own connection, to wake us
                     sock.close()
                     return
-                with sock:
-                    try:
-                        self._serve_one(sock, script)
-                    except (EOFError, BrokenPipeError, ConnectionResetError):
-                        if not repeating:
-                            raise
-                        # Serving on until close(), a client may give up anywhere in a
-                        # call (its deadline ran out): that is not the test failing.
+                received: list[protocol.Request] = []
+                self.received.append(received)  # in the order of the connections
+                if self._concurrent:
+                    connection = threading.Thread(
+                        target=self._serve_in_thread, args=(sock, script, received, repeating),
+                        name="fake-holder-connection", daemon=True)
+                    self._connections.append(connection)
+                    connection.start()
+                else:
+                    self._serve_one(sock, script, received, repeating)
                 following = next(scripts, None)
                 if following is None and self._repeat_last:
                     repeating = True
                 else:
                     script = following
         except BaseException as exc:  # handed to the test's thread by close()
-            self._error = exc
+            self._errors.append(exc)
         finally:
             self._listener.close()  # gone: the next connect is refused
 
-    def _serve_one(self, sock: socket.socket, script: Script) -> None:
-        sock.settimeout(self._timeout)
-        received: list[protocol.Request] = []
-        self.received.append(received)
-        peer = Peer(sock, received)
-        peer.expect(protocol.Hello)
-        received.clear()  # what follows the handshake is what tests look at
-        if self._welcome_delay:
-            time.sleep(self._welcome_delay)  # the behaviour under test: a slow holder
-        peer.send(self._welcome)
-        script(peer)
+    def _serve_in_thread(self, sock: socket.socket, script: Script,
+                         received: list[protocol.Request], repeating: bool) -> None:
+        try:
+            self._serve_one(sock, script, received, repeating)
+        except BaseException as exc:  # handed to the test's thread by close()
+            self._errors.append(exc)
+
+    def _serve_one(self, sock: socket.socket, script: Script, received: list[protocol.Request],
+                   repeating: bool) -> None:
+        with sock:
+            sock.settimeout(self._timeout)
+            peer = Peer(sock, received)
+            try:
+                peer.expect(protocol.Hello)
+                received.clear()  # what follows the handshake is what tests look at
+                if self._welcome_delay:
+                    time.sleep(self._welcome_delay)  # the behaviour under test: a slow holder
+                peer.send(self._welcome)
+                script(peer)
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                if not repeating:
+                    raise
+                # Serving on until close(), a client may give up anywhere in a call (its
+                # deadline ran out): that is not the test failing.
 
     def close(self) -> None:
         if self._repeat_last and self._thread.is_alive():
@@ -155,8 +183,11 @@ class FakeHolder:
                 wake.connect(self.socket_path)  # wakes accept(), which sees _closing
         self._thread.join(self._timeout + 5.0)
         assert not self._thread.is_alive(), "the fake holder did not finish its scripts"
-        if self._error is not None:
-            raise self._error
+        for connection in self._connections:
+            connection.join(self._timeout + 5.0)
+            assert not connection.is_alive(), "the fake holder did not finish a connection"
+        if self._errors:
+            raise self._errors[0]
 
     def __enter__(self) -> FakeHolder:
         return self

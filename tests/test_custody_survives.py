@@ -5,19 +5,24 @@ holder, and the app was none the wiser: the new holder listed nothing, the app l
 on its next call, `custody.close()` returned normally, and when the app later crashed its
 shells died. Here a real app process holds custody and does nothing after its deposit: its
 `Custody` notices the hang-up by itself, tells the app (`on_change`), and takes custody
-back on the new holder, resumed or deposited again.
+back on the new holder, resumed or deposited again. A new holder with less room than
+the app needs (`--max-sessions`) takes back what fits, and custody says that the rest is
+not protected (those tests hold custody in-process: what they test is the Custody object).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +30,15 @@ from survival import assert_one_stream
 from test_survive import kill_serving_holder
 
 from conftest import HolderProcess, start_holder, wait_for
-from escrow_client import EscrowClient, HolderUnavailable, HolderUnresponsive, breaker, paths
+from escrow_client import (
+    Custody,
+    EscrowClient,
+    EscrowError,
+    HolderUnavailable,
+    HolderUnresponsive,
+    breaker,
+    paths,
+)
 
 # An app: a shell printing numbered lines in a PTY, deposited under custody; then it only
 # reads the terminal (into a file) and reports every protection change, one JSON line
@@ -55,14 +68,29 @@ class App:
     def __init__(self, socket_path: str, sid: str, out: Path) -> None:
         self.out = out
         self.proc = subprocess.Popen([sys.executable, "-c", APP, socket_path, sid, str(out)],
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.child = json.loads(self.proc.stdout.readline())["child"]
+                                     stdout=subprocess.PIPE)
+        self._unread = b""  # what the app printed past the last line taken
+        self.child = self._line(10.0, "its deposit")["child"]
 
-    def next_change(self) -> dict[str, object]:
+    def next_change(self, what: str, timeout: float = 10.0) -> dict[str, object]:
+        """The app's next protection change, which must come within `timeout` (`what`
+        says which change is awaited)."""
+        return self._line(timeout, what)
+
+    def _line(self, timeout: float, what: str) -> dict[str, object]:
+        # Read with a deadline of our own: a change that never comes fails saying so,
+        # rather than blocking in readline() until pytest's timeout.
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the app ended"
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._unread:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"the app did not report {what} within {timeout}s")
+            chunk = os.read(fd, 4096)
+            assert chunk, f"the app ended before it reported {what}"
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
         change: dict[str, object] = json.loads(line)
         return change
 
@@ -113,9 +141,9 @@ def test_custody_is_resumed_on_the_restarted_holder_by_itself(
 
     killed_at = time.time()
     kill_serving_holder(holder)
-    lapsed = app.next_change()
+    lapsed = app.next_change("the lapse of protection once the holder died")
     assert lapsed["protected"] is False and float(lapsed["t"]) - killed_at < 1.0, lapsed  # type: ignore[arg-type]
-    back = app.next_change()
+    back = app.next_change("custody taken back on the restarted holder")
     assert back["protected"] is True, back
     print(f"custody resumed {float(back['t']) - killed_at:.3f}s after the holder's death")  # type: ignore[arg-type]
     assert float(back["t"]) - killed_at < 5.0  # type: ignore[arg-type]
@@ -152,10 +180,10 @@ def test_after_a_total_loss_the_app_deposits_its_session_again(
     os.kill(record.pid, signal.SIGKILL)  # and its holder
     first.proc.wait()
     lost_at = time.time()
-    assert app.next_change()["protected"] is False
+    assert app.next_change("the lapse of protection once the holder died")["protected"] is False
     second = start_holder(directory, keeper=True)
     try:
-        back = app.next_change()
+        back = app.next_change("its session deposited again on the new holder")
         assert back["protected"] is True
         print(f"deposited again {float(back['t']) - lost_at:.3f}s after the loss")  # type: ignore[arg-type]
         assert float(back["t"]) - lost_at < 5.0  # type: ignore[arg-type]
@@ -347,3 +375,93 @@ def test_a_journal_still_marks_its_reads_after_the_holder_restarts(
         custody.close()
         os.close(master)
         os.close(slave)
+
+
+@dataclass
+class OneRefused:
+    """An app's custody of s1 and s2 after its holder died with both: the next holder,
+    started with room for one session, holds s1 for the app again and has refused s2."""
+
+    custody: Custody
+    holder: HolderProcess
+    changes: list[bool]  # what on_change was told, in order
+    old_state_files: dict[str, int]  # our copies of the dead holder's state files, if journaled
+
+
+@contextmanager
+def one_session_refused(socket_dir: Path, journal: bool) -> Iterator[OneRefused]:
+    """The app here is this process (what is under test is its Custody, not its death).
+    The holder is a bare one: SIGKILLed, it takes both sessions with it, and its
+    successor, `--max-sessions 1`, gets s1 deposited again and refuses s2 (`limit`)."""
+    directory = socket_dir / "fewer"
+    first = start_holder(directory)
+    terminals = [os.openpty() for _ in range(2)]
+    second: HolderProcess | None = None
+    custody = EscrowClient("com.example.term", socket_path=first.socket).custody()
+    old_state_files: dict[str, int] = {}
+    try:
+        changes: list[bool] = []
+        custody.on_change(changes.append)
+        for sid, (master, _) in zip(("s1", "s2"), terminals, strict=True):
+            custody.deposit(sid, master, journal=journal)
+            writer = custody._kept[sid].journal  # noqa: SLF001 (the file it writes)
+            if writer is not None:
+                old_state_files[sid] = os.dup(writer.fd)
+        assert sorted(old_state_files) == (["s1", "s2"] if journal else [])
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait()
+        second = start_holder(directory, "--max-sessions", "1")
+        # Its own count at start may already include custody coming back to it; a holder
+        # with nothing is the first one before any deposit.
+        second.baseline_fds = first.baseline_fds
+        now = second
+        wait_for(lambda: held_by(now.client(), "s1", os.getpid())
+                 and now.log_lines("deposit_refused"), 10.0,
+                 "the new holder to hold s1 for the app again and refuse s2")
+        yield OneRefused(custody, second, changes, old_state_files)
+    finally:
+        try:
+            custody.release("s2")  # let go of it, or close() waits for a holder to take it
+        except EscrowError:
+            pass  # the holder never had it: released all the same, on our side
+        custody.close()
+        for fd in [*old_state_files.values(), *(fd for pair in terminals for fd in pair)]:
+            os.close(fd)
+        first.stop()  # (dead already, unless something failed before its SIGKILL)
+        if second is not None:
+            second.release_everything()
+            second.wait_fds_at_baseline()
+            second.stop()
+
+
+def test_protection_stays_lapsed_while_the_new_holder_refuses_a_session(
+    socket_dir: Path,
+) -> None:
+    """A holder restarted with room for fewer sessions than the app holds (`--max-sessions
+    1` under an app holding two) takes s1 back and refuses s2. s2 is escrowed nowhere: an
+    app told it is protected again would let a crash, or a planned restart, take that
+    shell with it. `protected` stays False (on_change is told nothing more) while custody
+    asks for s2 again and is refused again."""
+    with one_session_refused(socket_dir, journal=False) as refused:
+        wait_for(lambda: refused.custody.protected
+                 or len(refused.holder.log_lines("deposit_refused")) >= 2, 10.0,
+                 "custody to ask for s2 again")
+        assert not refused.custody.protected, "custody says protected while s2 is refused"
+        assert refused.changes == [False], refused.changes
+
+
+def test_a_session_the_new_holder_refused_records_nothing(socket_dir: Path) -> None:
+    """The same restart, with journals: s2, refused, keeps no journal writer. Its ring is
+    no replay any more (a holder that refuses a session may be the one writing its ring):
+    `journaled("s2")` turns False and `record("s2", ...)` leaves the state file it mapped
+    alone, while s1, taken back, goes on journaling on the new holder."""
+    with one_session_refused(socket_dir, journal=True) as refused:
+        custody = refused.custody
+        wait_for(lambda: not custody.journaled("s2"), 5.0,
+                 "the journal of s2, which the new holder refused, to stop")
+        assert custody.journaled("s1")
+        old = refused.old_state_files["s2"]
+        before = os.pread(old, os.fstat(old).st_size, 0)
+        custody.record("s2", b"read after the refusal\r\n")
+        assert os.pread(old, os.fstat(old).st_size, 0) == before, (
+            "record() wrote into the ring of a session the new holder refused")

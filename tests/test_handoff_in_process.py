@@ -102,9 +102,19 @@ def escrowed(master: int, ring_bytes: int = 1 << 20) -> tuple[Registry, Session]
     return registry, session
 
 
+@contextmanager
+def within(seconds: float, what: str) -> Iterator[None]:
+    """Cancel the block after `seconds` and fail, saying that `what` did not happen (a
+    step that never ends would otherwise wait for pytest's own timeout, saying nothing)."""
+    with trio.move_on_after(seconds) as scope:
+        yield
+    if scope.cancelled_caught:
+        raise AssertionError(f"timed out after {seconds}s waiting for {what}")
+
+
 async def until(condition: Callable[[], object], what: str, timeout: float = 5.0) -> None:
     """Poll `condition` under a deadline, letting the drain task run meanwhile."""
-    with trio.fail_after(timeout):
+    with within(timeout, what):
         while not condition():
             await trio.sleep(0.001)
 
@@ -541,14 +551,25 @@ async def test_a_second_put_back_leaves_another_retrieves_handoff_alone() -> Non
         second = RecordingConnection(ack_after_the_first_is_done)
         second.peer_pid = 4242
         try:
-            async with trio.open_nursery() as nursery:
-                session.start_drain(nursery, "custodian gone")
-                nursery.start_soon(handoff.retrieve, SlowToTakeErrors(wrong), RETRIEVE,
-                                   registry, CONFIG, nursery)
-                await sent_error.wait()
-                assert session.state == "draining"  # put back at once
-                assert await handoff.retrieve(second, RETRIEVE, registry, CONFIG, nursery)  # type: ignore[arg-type]
-            assert isinstance(second.sent[-1], protocol.Done)
+            with within(5.0, "the retrieves to end and the session's drain with them"):
+                async with trio.open_nursery() as nursery:
+                    session.start_drain(nursery, "custodian gone")
+                    nursery.start_soon(handoff.retrieve, SlowToTakeErrors(wrong), RETRIEVE,
+                                       registry, CONFIG, nursery)
+                    with within(5.0, "the first retrieve to answer bad_request"):
+                        await sent_error.wait()
+                    assert session.state == "draining"  # put back at once
+                    with within(5.0, "the second retrieve to end"):
+                        assert await handoff.retrieve(second, RETRIEVE, registry, CONFIG,  # type: ignore[arg-type]
+                                                      nursery)
+                    answered = second.sent[-1]
+                    if not isinstance(answered, protocol.Done):
+                        # Its handoff was taken from it: the session drains on, and this
+                        # nursery would never end.
+                        nursery.cancel_scope.cancel()
+            assert isinstance(answered, protocol.Done), (
+                f"the second retrieve's ack was refused ({answered!r}): the first "
+                "retrieve's put-back took its handoff")
             assert registry.tombstone(OWNER, SID).state == "handed_off"  # type: ignore[union-attr]
         finally:
             second.close_app_fds()

@@ -1,0 +1,214 @@
+"""Custody when the holder is caught between two states (DESIGN §3, §11, §12): a `done` that
+never comes for a retrieve into custody, a holder that restarted before it saw custody end
+and lists the session as still held by the app. A real holder does not take these paths on
+cue; a fake one (tests/fakeholder.py, a real Unix socket server speaking the real protocol)
+does, with `Holder` below as the script of every connection.
+
+The terminals are real PTYs and the state file is a real one (the holder's own
+`escrowd.statefile`); whether the client kept or closed its copies is read from
+/proc/self/fd.
+"""
+
+from __future__ import annotations
+
+import os
+import tty
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from fakeholder import OWNER, SID, WELCOME, FakeHolder, Peer, fds_open_on
+
+from escrow_client import breaker, protocol
+from escrow_client.platform import pty_number
+from escrowd.statefile import Record, StateFile
+
+HANDOFF_ID = "a" * 32
+DEPOSITED_AT = 1767225600.25
+RING = 64 * 1024
+LAYOUT = protocol.Journal(capacity=RING, total=0, position=0)
+# A holder that can keep sessions in custody and journal them; small budgets, so that a
+# client timeout short enough for a short test is still above them.
+KEEPING = msgspec.structs.replace(WELCOME, features=["keep", "journal", "journal_reading"],
+                                  drain_stop_budget=0.05, send_deadline=0.05)
+STATUS = protocol.HolderStatus(pid=1, version="fake", started_at=0.0, socket="fake")
+
+
+@pytest.fixture(autouse=True)
+def fresh_breaker() -> Iterator[None]:
+    breaker.reset()
+    yield
+    breaker.reset()
+
+
+@pytest.fixture
+def terminal() -> Iterator[tuple[int, int]]:
+    """A real PTY (master, slave), raw; the test's own copies."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    yield master, slave
+    os.close(master)
+    os.close(slave)
+
+
+@pytest.fixture
+def state_file() -> Iterator[StateFile[Record]]:
+    """A state file as the holder makes one, for a journal the fake holder grants."""
+    state = StateFile.create(Record, RING, "fake")
+    yield state
+    state.close()
+
+
+class Holder:
+    """The script of every connection: what the client asks first says what it is.
+
+    - `list`: answered with the next of `listed` (the last one repeats): SID in that state
+      (`held` is held by this process), or not listed (None). `on_list` runs first, in the
+      fake holder's thread, while the client waits for the answer.
+    - `retrieve{keep}`: `master` handed over; the ack is taken and never answered with
+      `done`. Then it goes on as a custody connection.
+    - `deposit`: a custody connection. Each deposit is answered `deposited` (with
+      `state_file` as its journal, if one is asked for and given), `status` (a client
+      putting the stream back in step) `holder_status`, `release` `released`, until the
+      client hangs up.
+    `custodies` has, per custody connection, the number of each terminal deposited on it."""
+
+    def __init__(self, listed: list[str | None], master: int | None = None,
+                 state_file: StateFile[Record] | None = None) -> None:
+        self.listed = listed
+        self.lists = 0
+        self.master = master
+        self.state_file = state_file
+        self.on_list: Callable[[], None] = lambda: None
+        self.custodies: list[list[int | None]] = []
+
+    def __call__(self, peer: Peer) -> None:
+        message, terminal = peer.receive_carrying()
+        if isinstance(message, protocol.List):
+            self.on_list()
+            state = self.listed[min(self.lists, len(self.listed) - 1)]
+            self.lists += 1
+            peer.send(protocol.Sessions(sessions=[] if state is None else [protocol.SessionInfo(
+                owner=OWNER, id=SID, state=state,  # type: ignore[arg-type]
+                custodian_pid=os.getpid() if state == "held" else None,
+                deposited_at=DEPOSITED_AT)]))
+            return
+        deposited: list[int | None] = []
+        self.custodies.append(deposited)
+        while True:
+            if isinstance(message, protocol.Retrieve) and message.keep:
+                assert self.master is not None
+                info = protocol.SessionInfo(owner=OWNER, id=SID, state="draining",
+                                            deposited_at=DEPOSITED_AT)
+                peer.send(protocol.Handoff(handoff_id=HANDOFF_ID, session=info, replay=b"R"),
+                          fd=self.master)
+                peer.expect(protocol.Ack)  # and no `done`
+            elif isinstance(message, protocol.Deposit):
+                deposited.append(terminal)
+                if message.journal and self.state_file is not None:
+                    peer.send(protocol.Deposited(id=message.id, journal=LAYOUT),
+                              fd=self.state_file.fd)
+                else:
+                    peer.send(protocol.Deposited(id=message.id))
+            elif isinstance(message, protocol.Status):
+                peer.send(STATUS)
+            elif isinstance(message, protocol.Release):
+                peer.send(protocol.Released(id=message.id))
+            else:
+                raise AssertionError(f"not asked on a custody connection: {message!r}")
+            try:
+                message, terminal = peer.receive_carrying()
+            except (EOFError, ConnectionResetError):
+                return  # custody ended
+
+
+def whole(state: StateFile[Record]) -> bytes:
+    """Every byte of the state file: its counters, its records and its ring."""
+    return os.pread(state.fd, os.fstat(state.fd).st_size, 0)
+
+
+def fake_holder(socket_dir: Path, holder: Holder) -> FakeHolder:
+    return FakeHolder(socket_dir, [holder], welcome=KEEPING, repeat_last=True, concurrent=True)
+
+
+def test_a_retrieve_into_custody_without_done_deposits_again_what_the_holder_lost(
+    socket_dir: Path, terminal: tuple[int, int],
+) -> None:
+    """The holder took the ack of a retrieve into custody and never answered `done`; asked
+    on a fresh connection, it no longer lists the session (it lost it). The app's copy of
+    the master is then the only one: custody keeps it and deposits it again at once, on
+    its own connection, so that the session is escrowed again (not only the app's, for a
+    crash to take with it)."""
+    master, _ = terminal
+    holder = Holder(listed=[None, "draining"], master=master)
+    with fake_holder(socket_dir, holder) as fake:
+        custody = fake.client(timeout=0.5).custody()  # `done` is awaited this long
+        try:
+            got = custody.retrieve(SID)
+            copies = fds_open_on(master)  # ours, the app's, and the one custody keeps
+        finally:
+            breaker.reset()  # the retrieve's timeout opened it; close() must ask the holder
+            custody.close()
+    try:
+        assert got.confirmed and got.replay == b"R"
+        assert holder.custodies == [[pty_number(master)]], (
+            "the session the holder no longer listed was not deposited again from the "
+            f"app's copy (deposited on each custody connection: {holder.custodies})")
+        assert len(copies) == 3, copies
+    finally:
+        os.close(got.fd)
+    assert fds_open_on(master) == {master}
+
+
+def test_close_waits_while_the_holder_lists_the_session_held_by_this_process(
+    socket_dir: Path, terminal: tuple[int, int],
+) -> None:
+    """A holder that restarted before it saw custody end (and adopted the session, held
+    by this process, from its store) lists it `held` by us, waiting for a custody that
+    no longer exists: nobody reads the terminal, and another instance of the app is
+    refused it. close() must not return on that answer: it takes custody back, ends it
+    again, and returns once the holder lists the session draining."""
+    master, _ = terminal
+    holder = Holder(listed=["held", "draining"])
+    with fake_holder(socket_dir, holder) as fake:
+        custody = fake.client().custody()
+        custody.deposit(SID, master)
+        custody.close()
+    assert holder.lists == 2, (
+        "close() returned while the holder listed the session as held by this process")
+    assert holder.custodies == [[pty_number(master)]] * 2, holder.custodies  # taken back
+    assert fds_open_on(master) == {master}
+
+
+def test_the_app_records_nothing_once_custody_is_ending(
+    socket_dir: Path, terminal: tuple[int, int], state_file: StateFile[Record],
+) -> None:
+    """close() stops the app's journal writes before custody ends: from then on the holder
+    drains into that ring, and a record of the app's (a reader thread still at work while
+    another closes) would be a second writer in it. Here the holder also restarted before
+    it saw the end, so close() takes custody back, and the holder's answer carries the
+    state file again. At each list the holder answers while close() runs, the session is
+    not journaled and `record` leaves the state file alone."""
+    master, _ = terminal
+    holder = Holder(listed=["held", "draining"], state_file=state_file)
+    seen: list[tuple[bool, bool]] = []  # at each list: journaled, the file changed
+    ours = fds_open_on(state_file.fd)  # (its mapping has a copy of its own)
+    with fake_holder(socket_dir, holder) as fake:
+        custody = fake.client().custody()
+
+        def during_the_end() -> None:
+            before = whole(state_file)
+            custody.record(SID, b"read while custody ends\r\n")
+            seen.append((custody.journaled(SID), whole(state_file) != before))
+
+        holder.on_list = during_the_end
+        custody.deposit(SID, master, journal=True)
+        custody.record(SID, b"read in custody\r\n")  # the journal works: this one is in
+        assert state_file.total == len(b"read in custody\r\n")
+        custody.close()
+    assert seen == [(False, False)] * 2, (
+        f"the app recorded into the ring while custody was ending (journaled, wrote): {seen}")
+    assert holder.custodies == [[pty_number(master)]] * 2, holder.custodies
+    assert state_file.total == len(b"read in custody\r\n")
+    assert fds_open_on(state_file.fd) == ours and fds_open_on(master) == {master}  # no copy kept
