@@ -1,25 +1,28 @@
-"""The journal: an app records what it reads from a held session into the session's own
-replay ring, so that after a crash the replay holds everything the session printed, before
-the crash and after (DESIGN §12).
+"""The journal: an app records what it reads from a held session, so that after a crash the
+replay holds everything the session printed, before the crash and after (DESIGN §12).
 
-The ring lives in the session's state file, which the holder hands over with `deposited`
-(or `handoff`) when a journal was asked for. The app writes it while it holds custody, the
-holder from the moment custody ends, never both. The holder's side of the file is
-`escrowd.statefile`; what the writer needs of it is here, the one definition of the fixed
-header both sides read:
+When a journal is asked for, the holder sends with `deposited` (or `handoff`) a journal
+file of the session's own: a fixed header, three counters and a ring, nothing else. It is
+the app's to write while it holds custody; when custody ends the holder copies what it
+holds into the session's replay (escrowd.journal) and never reads it again, so nothing the
+app writes there (before or after) can reach the holder's own records. This is the one
+definition of the layout both sides read (PROTOCOL.md section 10.6), native byte order:
 
-    bytes  0..32   magic, layout version, a checksum, data offset, data size
+    bytes  0..32   magic "ESCROWJL", layout version (2), a checksum (CRC-32, unused by
+                   the writer), data offset (4096), data size (the ring's capacity)
     bytes 32..40   `total`: every byte ever put into the ring
     bytes 40..48   `writing`: what `total` becomes once the write in flight is in place
     bytes 48..56   `reading`: `total` + 1 while a read from the terminal is in flight whose
                    bytes are not recorded yet, else 0
+    4096..         the ring: the byte numbered `t` is at `data_offset + t % capacity`
 
 A write stores `writing`, copies the bytes, then stores `total` (each one aligned 8-byte
 store). An app killed in between leaves `writing` above `total`; the holder then knows
 that up to that many of the oldest bytes may have been overwritten, and drops them, rather
 than replaying torn output. Writes are cut to `MAX_WRITE` bytes so that is little. An app
 killed with `reading` set may have taken bytes off the terminal that never reached the
-ring: the holder marks a gap there (it drops nothing: the ring was not touched).
+ring: the holder marks a gap there (it drops nothing: the ring was not touched). Counters
+the holder cannot believe (out of bounds, or going back) are a marked gap, never a crash.
 """
 
 from __future__ import annotations
@@ -32,20 +35,21 @@ import threading
 
 from . import protocol
 
-MAGIC = b"ESCROWSF"
-LAYOUT_VERSION = 1
+MAGIC = b"ESCROWJL"
+LAYOUT_VERSION = 2
 FIXED = struct.Struct("=8sIIQQ")  # magic, version, crc of the rest, data offset, data size
 TOTAL_OFFSET = 32  # `total`, `writing`, then `reading`: 8-byte aligned
 COUNTERS = 3
+DATA_OFFSET = 4096
 MAX_WRITE = 8 * 1024
 
 
 class JournalError(Exception):
-    """The file the holder sent is not a state file this writer understands."""
+    """The file the holder sent is not a journal file this writer understands."""
 
 
 class JournalWriter:
-    """Appends to one session's ring. Resource handling: owns `fd` (the state file) and
+    """Appends to one session's journal. Resource handling: owns `fd` (the journal file) and
     its mapping from construction (also when it raises) until `close()`. Thread-safe:
     `record` and `close` may be called from different threads. `read_marker`: the holder
     reads the `reading` counter (its `welcome.features` has `journal_reading`)."""
@@ -58,7 +62,7 @@ class JournalWriter:
         self._map(fd, journal)
 
     def remap(self, fd: int, journal: protocol.Journal, read_marker: bool = True) -> None:
-        """Go on writing in another mapping (a holder that restarted handed the state file
+        """Go on writing in another mapping (a holder that restarted handed the journal file
         over again, or a new one), for a holder that reads the `reading` mark or not: no
         record falls between the two, nor is counted twice. Takes `fd` as the constructor
         does; raises JournalError (closed) as it does."""
@@ -73,13 +77,17 @@ class JournalWriter:
                                  mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as exc:
             os.close(fd)
-            raise JournalError(f"cannot map the state file: {exc}") from None
+            raise JournalError(f"cannot map the journal file: {exc}") from None
         self.fd = fd
-        magic, version, _, data_offset, size = FIXED.unpack_from(self._mm, 0)
-        if (magic != MAGIC or version != LAYOUT_VERSION or not 0 < journal.capacity <= size
-                or data_offset + size > len(self._mm)):
+        if len(self._mm) < DATA_OFFSET:
             self._unmap()
-            raise JournalError("the holder sent a state file of another layout")
+            raise JournalError("the holder sent a file too short for a journal")
+        magic, version, _, data_offset, size = FIXED.unpack_from(self._mm, 0)
+        if (magic != MAGIC or version != LAYOUT_VERSION or data_offset != DATA_OFFSET
+                or not 0 < journal.capacity <= size or data_offset + size > len(self._mm)):
+            self._unmap()
+            raise JournalError("the holder sent a journal file of another layout "
+                               f"(layout {version}; this writer knows {LAYOUT_VERSION})")
         view = memoryview(self._mm)
         self._data: memoryview | None = view[data_offset : data_offset + journal.capacity]
         self._counters: memoryview | None = (
@@ -244,7 +252,7 @@ class JournalWriter:
 
 def unmap(owner: object, views: tuple[str, ...]) -> None:
     """Release `owner`'s memoryviews named `views`, then its mapping (`_mm`), then close its
-    `fd` (idempotent): what both sides of a state file do to let go of it."""
+    `fd` (idempotent): what every holder of a mapped file here does to let go of it."""
     for name in views:
         held = owner.__dict__.pop(name, None)
         if held is not None:

@@ -8,8 +8,8 @@ A frame is a 4-byte big-endian unsigned length followed by a MessagePack map. Ev
 a ``type`` field naming the message. Unknown fields are ignored (so new fields can be added
 with defaults); an unknown ``type`` is an error. Exactly two messages carry an fd as
 SCM_RIGHTS data on the first byte of their frame: ``deposit`` and ``handoff`` carry a PTY
-master; ``deposited`` and ``handoff`` also carry the session's state file when they answer
-a request for a journal (`fds_carried` says how many a message must have).
+master; ``deposited`` and ``handoff`` also carry the session's journal file when they
+answer a request for a journal (`fds_carried` says how many a message must have).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class Hello(Message, tag="hello"):
 
 class Deposit(Message, tag="deposit"):
     """Carries the PTY master as SCM_RIGHTS. The sending connection becomes its custodian.
-    `journal`: the app will record what it reads into the session's ring (DESIGN §12);
-    `deposited` then carries the state file."""
+    `journal`: the app will record what it reads into a journal (DESIGN §12);
+    `deposited` then carries the journal file."""
 
     id: Name
     label: Label = ""
@@ -103,8 +103,8 @@ class Release(Message, tag="release"):
 
 class Retrieve(Message, tag="retrieve"):
     """`keep`: after the ack the session stays escrowed, held by this connection (retrieve
-    into custody). `journal` (only with `keep`): the app goes on recording into the ring,
-    and `handoff` also carries the state file."""
+    into custody). `journal` (only with `keep`): the app goes on recording into a journal,
+    and `handoff` also carries the journal file."""
 
     id: Name
     keep: bool = False
@@ -209,9 +209,9 @@ class Welcome(Message, tag="welcome"):
 
 
 class Journal(msgspec.Struct, kw_only=True):
-    """Where the app writes into a session's ring (its state file, DESIGN §12): the ring's
-    `capacity` in bytes, and the `position` in its data area where the byte counted as
-    number `total` goes (the state file's counter then said `total`)."""
+    """Where the app writes in the journal file's ring (escrow_client.journal, DESIGN §12):
+    the ring's `capacity` in bytes, and the `position` in its data area where the byte
+    counted as number `total` goes (the file's counter then said `total`)."""
 
     capacity: int
     total: int
@@ -220,7 +220,7 @@ class Journal(msgspec.Struct, kw_only=True):
 
 class Deposited(Message, tag="deposited"):
     """`journal` is set when the deposit asked for one and the holder granted it: then the
-    state file rides on this message."""
+    journal file rides on this message."""
 
     id: str
     journal: Journal | None = None
@@ -246,7 +246,7 @@ class Handoff(Message, tag="handoff"):
     replay_trimmed: int = 0
     # How many bytes of `replay` the app recorded (a journal), not the holder.
     replay_journaled: int = 0
-    # With retrieve{keep, journal}: where the app goes on writing; the state file is the
+    # With retrieve{keep, journal}: where the app goes on writing; the journal file is the
     # second fd.
     journal: Journal | None = None
 

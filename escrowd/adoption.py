@@ -34,7 +34,8 @@ from escrow_client.fdpass import close_fds
 from escrow_client.platform import is_pty_master
 from escrow_client.protocol import TOMBSTONE_STATES
 
-from .fdstore import HOLDER_NAME, SESSION_PREFIX, session_name
+from .fdstore import HOLDER_NAME, JOURNAL_PREFIX, SESSION_PREFIX, journal_name, session_name
+from .journal import JournalFile
 from .log import log
 from .pidwatch import wait_exit
 from .ring import Ring
@@ -66,11 +67,13 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
         assert report.holder_state is not None
         await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
     found: dict[tuple[str, str], Session] = {}
+    journals = {name[len(JOURNAL_PREFIX):]: stored.pop(name) for name in list(stored)
+                if name.startswith(JOURNAL_PREFIX)}
     for name, fds in stored.items():
         if not name.startswith(SESSION_PREFIX):
             _refuse(holder, name, fds, "not a name this holder stores", report)
             continue
-        session = _pair(holder, name, fds, report)
+        session = _pair(holder, name, fds, report, journals)
         if session is None:
             continue
         other = found.get(session.key)
@@ -81,6 +84,8 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
             _refuse(holder, session_name(older.token), [], f"an older deposit of "
                     f"{older.name} left in the store", report)
         found[session.key] = session
+    for token, fds in journals.items():  # no session took them: nothing can write them now
+        _refuse(holder, journal_name(token), fds, "a journal of no session", report)
     for session in found.values():
         holder.registry.live[session.key] = session
         session.persist()
@@ -127,7 +132,8 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
     return store_it and holder.store.enabled
 
 
-def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Session | None:
+def _pair(holder: Holder, name: str, fds: list[int], report: Adoption,
+          journals: dict[str, list[int]]) -> Session | None:
     masters = [fd for fd in fds if _is_char_device(fd)]
     files = [fd for fd in fds if _is_regular_file(fd)]
     if len(masters) != 1 or len(files) != 1 or len(fds) != 2:
@@ -162,12 +168,30 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption) -> Sessio
     trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
                          record.length_at_layout, in_flight, record.saturated,
                          record.consumed, record.dropped_base)
-    session = Session.adopted(master, ring, record, holder.instance)
+    session = Session.adopted(master, ring, record, holder.instance, holder.store,
+                              holder.registry.private_dir,
+                              _journal(holder, record, journals.pop(record.token, [])))
     if in_flight:
         session.gap_totals.append(ring.total)  # one read's bytes may be missing after here
     session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session
+
+
+def _journal(holder: Holder, record: Record, fds: list[int]) -> JournalFile | None:
+    """The journal file the store kept for a session whose app journals, if it is the one
+    its record describes (else it is lost: `journal.end` marks a gap where it was)."""
+    if record.journal_from is None or record.journal_capacity <= 0 or len(fds) != 1:
+        close_fds(fds)
+        if fds:
+            holder.store.remove(journal_name(record.token))
+        return None
+    try:
+        return JournalFile.adopt(fds[0], record.journal_capacity, holder.registry.budget)
+    except (OSError, ValueError) as exc:
+        log("adopt_refused", name=journal_name(record.token), reason=f"its journal: {exc}")
+        holder.store.remove(journal_name(record.token))
+        return None
 
 
 def _resume(holder: Holder, session: Session) -> None:

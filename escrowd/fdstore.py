@@ -8,6 +8,8 @@ the fds back through `LISTEN_FDS`/`LISTEN_FDNAMES`, named as they were stored:
     session-<token>   a session's two fds, stored together: its PTY master (a character
                       device) and its state file (a regular file, escrowd.statefile),
                       whose record carries the same token
+    journal-<token>   while an app journals that session, its journal file
+                      (escrowd.journal)
     holder            the holder's own state file (its restart counters)
 
 Every master is stored with `FDPOLL=0`: systemd would otherwise drop a master that hangs
@@ -54,16 +56,21 @@ class StoreError(Exception):
 
 
 SESSION_PREFIX = "session-"
+JOURNAL_PREFIX = "journal-"
 
 
 def session_name(token: str) -> str:
     return SESSION_PREFIX + token
 
 
+def journal_name(token: str) -> str:
+    return JOURNAL_PREFIX + token
+
+
 def is_store_name(name: str) -> bool:
     """A name this holder stores fds under (anything else passed is the listening socket,
     or not ours)."""
-    return name == HOLDER_NAME or name.startswith(SESSION_PREFIX)
+    return name == HOLDER_NAME or name.startswith((SESSION_PREFIX, JOURNAL_PREFIX))
 
 
 class FdStore:
@@ -127,6 +134,21 @@ class FdStore:
         finally:
             self._waiting.pop(number, None)
             self._answered.pop(number, None)
+
+    def store_nowait(self, name: str, fds: list[int]) -> bool:
+        """Hand copies of `fds` to the store under `name` if that can be done at once, with
+        no answer waited for (for what the holder can do without: a lost one is logged).
+        Sent in order with removals, so that a removal never overtakes it."""
+        if self.sock is None:
+            return False
+        try:
+            self.sock.sendmsg([f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0".encode()],
+                              rights_for(fds), SEND_FLAGS)
+        except OSError as exc:
+            log("fd_store", action="store", name=name, error=errno.errorcode.get(
+                exc.errno or 0, str(exc)), reason="not stored: the store has no room now")
+            return False
+        return True
 
     async def read_answers(self) -> None:
         """Take the keeper's answers to stores (a task for the holder's life; with no

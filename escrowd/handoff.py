@@ -288,7 +288,8 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
         replay = replay[trimmed:]
         info.replay_gaps = [at - trimmed for at in info.replay_gaps if at >= trimmed]
         info.replay_gap_at = info.replay_gaps[-1] if info.replay_gaps else None
-    layout = journal.grant(session) if with_journal else None
+    granted = journal.grant(session) if with_journal else None
+    layout = granted[0] if granted is not None else None
     message = protocol.Handoff(
         handoff_id=session.handoff_id or "",
         session=info,
@@ -298,7 +299,7 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
         replay_journaled=journal.journaled(session, ring.total - len(replay)),
         journal=layout,
     )
-    fds = [session.fd] if layout is None else [session.fd, ring.state.fd]
+    fds = [session.fd] if granted is None else [session.fd, granted[1]]
     return message, fds
 
 
@@ -345,6 +346,10 @@ def _put_back(
     session.unsent = None
     registry.handoffs_failed += 1
     session.handoff_id = session.handoff_peer_pid = None
+    if session.journal_from is None:
+        # A journal granted with the handoff that did not complete: never begun, never
+        # read (whatever the client may write there).
+        journal.close_journal(session)
     if prior == "exited":
         session.set_state("exited", reason)
     elif session.has_drain():

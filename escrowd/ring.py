@@ -105,6 +105,10 @@ class Ring:
     # --- what is held --------------------------------------------------------------------
 
     @property
+    def budget(self) -> RingBudget:
+        return self._budget
+
+    @property
     def total(self) -> int:
         """Every byte ever read into this ring (held or dropped)."""
         return self._total
@@ -148,13 +152,7 @@ class Ring:
             return 0
         return (self.origin + self.length_at_layout + total - self.total_at_layout) % self.capacity
 
-    # --- a journal (escrow_client.journal writes the ring while the app holds custody) ------
-
-    def grow_fully(self) -> None:
-        """Take all the storage the budget grants, up to the limit, before an app starts
-        writing (it cannot grow the ring itself)."""
-        while self._grow():
-            pass
+    # --- what is delivered, and what an app journaled (escrowd.journal) ------------------
 
     def consume(self) -> None:
         """Everything held was delivered (a retrieve into custody without a journal): the
@@ -163,33 +161,37 @@ class Ring:
         self._relayout(self.position(self._total), self._total, 0)
         self.dropped_base = self.dropped  # (held is 0 now: what was lost before delivery)
 
-    def resync(self) -> int:
-        """Custody ended on a ring an app was writing: take its counter as ours. If the app
-        died with a write in flight, the oldest bytes that write may have overwritten are
-        dropped (returns how many): a replay never holds torn output."""
-        state = self.state
-        # The file is the app's to write: a counter that went back (a bug, or a hostile
-        # app) is not believed, and what it recorded is not taken. (Forward, any count is
-        # possible: a record longer than the ring only counts what it overwrites at once.)
-        total = state.total
-        if total < self._total or total >= 1 << 62:
-            state.set_total(self._total)
-            total = self._total
-        in_flight = max(0, min(state.writing - total, MAX_READ))
+    def append(self, data: memoryview) -> None:
+        """Put `data` in as if it had been read from the terminal (a full ring drops its
+        oldest bytes), at most MAX_READ bytes at a time, each counted once in place."""
+        for start in range(0, len(data), MAX_READ):
+            chunk = data[start : start + MAX_READ]
+            n = len(chunk)
+            write_at = self._make_room(n, overwrite=True)
+            cap = self.capacity
+            if cap:
+                first = min(n, cap - write_at)
+                self._data[write_at : write_at + first] = chunk[:first]
+                if first < n:
+                    self._data[: n - first] = chunk[first:]
+            self._advance(n)
+
+    def skip(self, count: int) -> None:
+        """`count` bytes that are lost (counted, and dropped), after which the ring starts
+        empty: what it held before cannot run on into what comes after them."""
+        if count <= 0:
+            return
+        self._total += count
+        self.state.set_total(self._total)
+        self._relayout(0, self._total, 0)
+
+    def restart(self, total: int) -> None:
+        """Empty, counting from `total` on: what was held is dropped (a holder that adopts
+        a ring whose journal copy a kill cut short cannot tell which of its bytes are
+        whole)."""
         self._total = total
-        self._length = self.length_at_layout + self._total - self.total_at_layout
-        state.clear_writing()
-        suspect = 0
-        held = self.size
-        if in_flight and self.capacity:
-            suspect = min(held, max(0, held + in_flight - self.capacity))
-        if suspect or self._length > held:
-            # Relaid out with only what is held (and sound): the counters stay small.
-            self._relayout(self.position(self._total) - (held - suspect), self._total,
-                           held - suspect)
-        elif self.on_layout is not None:
-            self.on_layout()
-        return suspect
+        self.state.set_total(total)
+        self._relayout(0, total, 0)
 
     def _relayout(self, origin: int, total: int, length: int) -> None:
         cap = self.capacity
@@ -211,8 +213,35 @@ class Ring:
         """
         if at_most > MAX_READ:
             at_most = MAX_READ
-        # Grow first: bytes are dropped only by a ring at its limit (or out of budget).
-        # (This runs once per read of a fast child: the common path is kept short.)
+        write_at = self._make_room(at_most, overwrite)
+        cap = self.capacity
+        if cap == 0:
+            if not overwrite:
+                return 0
+            n = os.readv(fd, [memoryview(_SCRATCH)[: min(at_most, len(_SCRATCH))]])
+            self._advance(n)
+            return n
+        if overwrite:
+            room = cap
+        else:
+            room = cap - self.size
+            if room == 0:
+                return 0
+        count = at_most if at_most < room else room
+        end = write_at + count
+        data = self._data
+        if end <= cap:
+            n = os.readv(fd, [data[write_at:end]])
+        else:
+            n = os.readv(fd, [data[write_at:cap], data[: end - cap]])
+        self._advance(n)
+        return n
+
+    def _make_room(self, at_most: int, overwrite: bool) -> int:
+        """Grow so that `at_most` more bytes fit, as far as the limit and the budget allow
+        (bytes are dropped only by a ring that can grow no more); if they may overwrite
+        held bytes, say so in the layout first. Returns where the next byte goes.
+        (This runs once per read of a fast child: the common path is kept short.)"""
         length = self._length
         cap = self.capacity
         held = length if length < cap else cap
@@ -226,28 +255,7 @@ class Ring:
                 self.saturated = True
                 if self.on_layout is not None:
                     self.on_layout()
-        if cap == 0:
-            if not overwrite:
-                return 0
-            n = os.readv(fd, [memoryview(_SCRATCH)[: min(at_most, len(_SCRATCH))]])
-            self._advance(n)
-            return n
-        if overwrite:
-            room = cap
-        else:
-            room = cap - held
-            if room == 0:
-                return 0
-        count = at_most if at_most < room else room
-        write_at = (self.origin + length) % cap
-        end = write_at + count
-        data = self._data
-        if end <= cap:
-            n = os.readv(fd, [data[write_at:end]])
-        else:
-            n = os.readv(fd, [data[write_at:cap], data[: end - cap]])
-        self._advance(n)
-        return n
+        return (self.origin + length) % cap if cap else 0
 
     def _advance(self, n: int) -> None:
         # The bytes are in place: now, and only now, the counter moves (one 8-byte store).

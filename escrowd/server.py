@@ -455,7 +455,8 @@ class Holder:
             os.close(fd)
             raise
         session = Session(conn.owner, request, fd, ring, conn, conn.peer_pid, start_time,
-                          terminal, conn.client, self.instance, custodian_start)
+                          terminal, conn.client, self.instance, custodian_start,
+                          self.store, self.registry.private_dir)
         self.registry.add(session)
         # Answered only once both fds are safe outside this process (DESIGN §11).
         try:
@@ -475,13 +476,13 @@ class Holder:
         if not with_journal:  # (never an fd that was not asked for)
             await conn.send(protocol.Deposited(id=session.id))
             return
-        layout = journal.grant(session)
-        if layout is None:  # no ring storage to be had: escrowed, but not journaled
+        granted = journal.grant(session)
+        if granted is None:  # no ring storage to be had: escrowed, but not journaled
             await conn.send(protocol.Deposited(id=session.id))
             return
+        layout, journal_fd = granted
         journal.begin(session)
-        await conn.send(protocol.Deposited(id=session.id, journal=layout),
-                        fd=session.ring.state.fd)
+        await conn.send(protocol.Deposited(id=session.id, journal=layout), fd=journal_fd)
 
     async def _update(self, conn: Connection, request: protocol.Update) -> None:
         session = self.registry.get(conn.owner, request.id)

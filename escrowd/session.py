@@ -29,6 +29,8 @@ from escrow_client.platform import terminal_identity
 from escrow_client.protocol import Deposit, SessionInfo
 
 from . import journal
+from .fdstore import FdStore
+from .journal import JournalFile
 from .log import log
 from .ring import Ring
 from .statefile import Record
@@ -63,9 +65,13 @@ class Session:
         client: str = "",
         instance: str = "",
         custodian_start_time: float | None = None,
+        store: FdStore | None = None,
+        private_dir: str | None = None,
     ) -> None:
-        self.token = uuid.uuid4().hex  # names the pair in the fd store: m-<token>, s-<token>
+        self.token = uuid.uuid4().hex  # names its fds in the store (escrowd.fdstore)
         self.instance = instance
+        self.store = store if store is not None else FdStore(None)
+        self.private_dir = private_dir  # where a journal file lives where there is no memfd
         self.owner = owner
         self.id = deposit.id
         self.label = deposit.label
@@ -83,9 +89,11 @@ class Session:
         self.handoff_id: str | None = None
         self.handoff_peer_pid: int | None = None  # the retrieving client's, while handing_off
         self.gap_totals: list[int] = []  # see replay_gaps
-        # The app journals into the ring from this total on (None: it does not); the
+        # The app journals from this total on (None: it does not), into `journal`; the
         # totals [from, to) of earlier journals (see escrowd.journal).
         self.journal_from: int | None = None
+        self.journal: JournalFile | None = None
+        self.journal_copying = False
         self.journal_ranges: list[tuple[int, int]] = []
         self.hung_up = False  # a read failed: the last slave fd is closed
         self._saved_flags: int | None = None
@@ -107,11 +115,16 @@ class Session:
         self.adopted_handoff = False  # handing_off, begun by a holder that has stopped
 
     @classmethod
-    def adopted(cls, fd: int, ring: Ring, record: Record, instance: str) -> Session:
-        """A session as a state file recorded it (a holder starting with stored state).
-        Its ring must already be adopted; the caller resumes it by its state."""
+    def adopted(cls, fd: int, ring: Ring, record: Record, instance: str,
+                store: FdStore | None = None, private_dir: str | None = None,
+                journal: JournalFile | None = None) -> Session:
+        """A session as a state file recorded it (a holder starting with stored state),
+        with the journal file the store kept for it, if any. Its ring must already be
+        adopted; the caller resumes it by its state."""
         self = cls.__new__(cls)
         self.token, self.instance = record.token, instance
+        self.store = store if store is not None else FdStore(None)
+        self.private_dir = private_dir
         self.owner, self.id, self.label = record.owner, record.id, record.label
         self.child_pid, self.child_start_time = record.child_pid, record.child_start_time
         self.cols, self.rows, self.meta = record.cols, record.rows, record.meta
@@ -124,6 +137,7 @@ class Session:
         self.handoff_peer_pid = record.handoff_peer_pid
         self.gap_totals = list(record.gap_totals)
         self.journal_from = record.journal_from
+        self.journal, self.journal_copying = journal, record.journal_copying
         self.journal_ranges = [(a, b) for a, b in record.journal_ranges]
         self.hung_up = False
         self._saved_flags = record.saved_flags
@@ -162,6 +176,8 @@ class Session:
             saved_flags=self._saved_flags,
             gap_totals=self.gap_totals, instance=self.instance, clean=clean,
             journal_from=self.journal_from, journal_ranges=self.journal_ranges,
+            journal_capacity=self.journal.capacity if self.journal is not None else 0,
+            journal_copying=self.journal_copying,
             **self.ring.layout(),
         ))
 
@@ -231,7 +247,7 @@ class Session:
         """Become the reader: save the fd's flags, make it non-blocking, start the drain."""
         assert self._drain_done is None, "one drain task per session"
         if self.journal_from is not None:
-            journal.end(self)  # the app wrote the ring until now; from here on, we do
+            journal.end(self)  # the app recorded until now; from here on, we read
         if self._saved_flags is None:  # else a drain restarted before the flags were restored
             self._saved_flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         fcntl.fcntl(self.fd, fcntl.F_SETFL, self._saved_flags | os.O_NONBLOCK)
@@ -383,6 +399,7 @@ class Session:
         self._poller = None
         if self.watch_scope is not None:
             self.watch_scope.cancel()
+        journal.close_journal(self)
         if self.fd >= 0:
             trio.lowlevel.notify_closing(self.fd)
             fd, self.fd = self.fd, -1

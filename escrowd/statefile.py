@@ -1,16 +1,13 @@
 """A session's state outside the holder process (DESIGN §11): one shared-memory file with
 its replay ring and its metadata, which outlives the holder in the service manager's fd
-store (or the keeper's) next to the PTY master.
+store (or the keeper's) next to the PTY master. It is the holder's alone: no app is ever
+sent it (an app that journals writes a file of its own, escrow_client.journal).
 
 The file (native byte order and sizes: it never leaves the machine):
 
     page 0   fixed header (64 bytes): magic, layout version, data offset and size, a
-             checksum of those, `total`, the one hot counter: every byte ever read into
-             the ring, `writing`: what `total` becomes once an app's journal write in
-             flight is in place, and `reading`: set while an app's read is in flight
-             whose bytes are not in the ring yet (escrow_client.journal); then record
-             slots 0 and 1
-             (1,984 bytes each)
+             checksum of those, and `total`, the one hot counter: every byte ever read
+             into the ring; then record slots 0 and 1 (1,984 bytes each)
     then     record slots 2 and 3 (BIG_SLOT bytes each), for records too big for page 0
     then     the ring's bytes (`data`), `size` of them
 
@@ -40,15 +37,11 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from escrow_client.journal import (
-    COUNTERS,
-    LAYOUT_VERSION,
-    MAGIC,
-    MAX_WRITE,
-    TOTAL_OFFSET,
-    unmap,
-)
 from escrow_client.journal import FIXED as _FIXED
+from escrow_client.journal import MAX_WRITE, TOTAL_OFFSET, unmap
+
+MAGIC = b"ESCROWSF"
+LAYOUT_VERSION = 1
 
 PAGE = 4096
 SMALL_SLOT = (PAGE - 64) // 2
@@ -60,8 +53,7 @@ _SLOT_HEAD = struct.Struct("=QII")  # sequence number, payload length, CRC-32
 _SMALL_PAYLOAD = SMALL_SLOT - _SLOT_HEAD.size
 # The most one read into the ring may write (a pty read returns at most about 4 KiB):
 # after an unclean stop, at most this much of a full ring can have been overwritten
-# uncounted.
-# (An app's journal writes are cut to the same size, for the same reason.)
+# uncounted. (An app's journal writes are cut to the same size, for the same reason.)
 MAX_READ = MAX_WRITE
 
 
@@ -101,7 +93,9 @@ class Record(msgspec.Struct, kw_only=True):
     saturated: bool = False  # the ring could grow no more: a read may overwrite its oldest
     consumed: int = 0  # bytes counted in `total` that a retrieve into custody delivered
     dropped_base: int = 0  # bytes dropped before that delivery
-    journal_from: int | None = None  # the app journals into the ring from this total on
+    journal_from: int | None = None  # the app journals from this total on (escrowd.journal)
+    journal_capacity: int = 0  # the size of its journal file's ring (0: no journal file)
+    journal_copying: bool = False  # its journal is being copied into the ring (custody ended)
     journal_ranges: list[tuple[int, int]] = []  # [from, to) totals an app recorded
     gap_totals: list[int] = []  # byte numbers after which one read may be missing
     instance: str = ""  # the holder that wrote it
@@ -158,9 +152,7 @@ class StateFile(Generic[R]):
             raise
         self.size = int(size)
         self.data = self._view[DATA_OFFSET : DATA_OFFSET + self.size]
-        # `total`, `writing` (an app's journal write in flight, if above `total`), then
-        # `reading` (an app's read in flight, if not 0).
-        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 8 * COUNTERS].cast("Q")
+        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 8].cast("Q")
         self._slot_seq: dict[int, int] = {}
         self._newest_slot: int | None = None
         self._seq: int
@@ -196,23 +188,6 @@ class StateFile(Generic[R]):
     def set_total(self, total: int) -> None:
         """One aligned 8-byte store: a kill leaves the old value or the new, never half."""
         self._total[0] = total
-
-    @property
-    def writing(self) -> int:
-        """Above `total` while an app's journal write is in flight (or was, when the app
-        died): its bytes may be partly in place, uncounted."""
-        return int(self._total[1])
-
-    @property
-    def reading(self) -> bool:
-        """An app's read was in flight (or was, when the app died) whose bytes are not in
-        the ring: they may be missing there."""
-        return bool(self._total[2])
-
-    def clear_writing(self) -> None:
-        """Nothing is in flight: `writing` back to `total`, `reading` cleared."""
-        self._total[1] = self._total[0]
-        self._total[2] = 0
 
     # --- records -----------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ and lists the session as still held by the app. A real holder does not take thes
 cue; a fake one (tests/fakeholder.py, a real Unix socket server speaking the real protocol)
 does, with `Holder` below as the script of every connection.
 
-The terminals are real PTYs and the state file is a real one (the holder's own
-`escrowd.statefile`); whether the client kept or closed its copies is read from
+The terminals are real PTYs and the journal file is a real one (made as the holder makes
+one, `escrowd.journal`); whether the client kept or closed its copies is read from
 /proc/self/fd.
 """
 
@@ -22,7 +22,8 @@ from fakeholder import OWNER, SID, WELCOME, FakeHolder, Peer, fds_open_on
 
 from escrow_client import breaker, protocol
 from escrow_client.platform import pty_number
-from escrowd.statefile import Record, StateFile
+from escrowd.journal import JournalFile
+from escrowd.ring import RingBudget
 
 HANDOFF_ID = "a" * 32
 DEPOSITED_AT = 1767225600.25
@@ -53,9 +54,9 @@ def terminal() -> Iterator[tuple[int, int]]:
 
 
 @pytest.fixture
-def state_file() -> Iterator[StateFile[Record]]:
-    """A state file as the holder makes one, for a journal the fake holder grants."""
-    state = StateFile.create(Record, RING, "fake")
+def journal_file() -> Iterator[JournalFile]:
+    """A journal file as the holder makes one, for a journal the fake holder grants."""
+    state = JournalFile.create(RING, RingBudget(1 << 30))
     yield state
     state.close()
 
@@ -69,17 +70,17 @@ class Holder:
     - `retrieve{keep}`: `master` handed over; the ack is taken and never answered with
       `done`. Then it goes on as a custody connection.
     - `deposit`: a custody connection. Each deposit is answered `deposited` (with
-      `state_file` as its journal, if one is asked for and given), `status` (a client
+      `journal_file` as its journal, if one is asked for and given), `status` (a client
       putting the stream back in step) `holder_status`, `release` `released`, until the
       client hangs up.
     `custodies` has, per custody connection, the number of each terminal deposited on it."""
 
     def __init__(self, listed: list[str | None], master: int | None = None,
-                 state_file: StateFile[Record] | None = None) -> None:
+                 journal_file: JournalFile | None = None) -> None:
         self.listed = listed
         self.lists = 0
         self.master = master
-        self.state_file = state_file
+        self.journal_file = journal_file
         self.on_list: Callable[[], None] = lambda: None
         self.custodies: list[list[int | None]] = []
 
@@ -106,9 +107,9 @@ class Holder:
                 peer.expect(protocol.Ack)  # and no `done`
             elif isinstance(message, protocol.Deposit):
                 deposited.append(terminal)
-                if message.journal and self.state_file is not None:
+                if message.journal and self.journal_file is not None:
                     peer.send(protocol.Deposited(id=message.id, journal=LAYOUT),
-                              fd=self.state_file.fd)
+                              fd=self.journal_file.fd)
                 else:
                     peer.send(protocol.Deposited(id=message.id))
             elif isinstance(message, protocol.Status):
@@ -123,8 +124,8 @@ class Holder:
                 return  # custody ended
 
 
-def whole(state: StateFile[Record]) -> bytes:
-    """Every byte of the state file: its counters, its records and its ring."""
+def whole(state: JournalFile) -> bytes:
+    """Every byte of the journal file: its header, its counters and its ring."""
     return os.pread(state.fd, os.fstat(state.fd).st_size, 0)
 
 
@@ -182,33 +183,33 @@ def test_close_waits_while_the_holder_lists_the_session_held_by_this_process(
 
 
 def test_the_app_records_nothing_once_custody_is_ending(
-    socket_dir: Path, terminal: tuple[int, int], state_file: StateFile[Record],
+    socket_dir: Path, terminal: tuple[int, int], journal_file: JournalFile,
 ) -> None:
     """close() stops the app's journal writes before custody ends: from then on the holder
     drains into that ring, and a record of the app's (a reader thread still at work while
     another closes) would be a second writer in it. Here the holder also restarted before
     it saw the end, so close() takes custody back, and the holder's answer carries the
     state file again. At each list the holder answers while close() runs, the session is
-    not journaled and `record` leaves the state file alone."""
+    not journaled and `record` leaves the journal file alone."""
     master, _ = terminal
-    holder = Holder(listed=["held", "draining"], state_file=state_file)
+    holder = Holder(listed=["held", "draining"], journal_file=journal_file)
     seen: list[tuple[bool, bool]] = []  # at each list: journaled, the file changed
-    ours = fds_open_on(state_file.fd)  # (its mapping has a copy of its own)
+    ours = fds_open_on(journal_file.fd)  # (its mapping has a copy of its own)
     with fake_holder(socket_dir, holder) as fake:
         custody = fake.client().custody()
 
         def during_the_end() -> None:
-            before = whole(state_file)
+            before = whole(journal_file)
             custody.record(SID, b"read while custody ends\r\n")
-            seen.append((custody.journaled(SID), whole(state_file) != before))
+            seen.append((custody.journaled(SID), whole(journal_file) != before))
 
         holder.on_list = during_the_end
         custody.deposit(SID, master, journal=True)
         custody.record(SID, b"read in custody\r\n")  # the journal works: this one is in
-        assert state_file.total == len(b"read in custody\r\n")
+        assert journal_file.counters()[0] == len(b"read in custody\r\n")
         custody.close()
     assert seen == [(False, False)] * 2, (
         f"the app recorded into the ring while custody was ending (journaled, wrote): {seen}")
     assert holder.custodies == [[pty_number(master)]] * 2, holder.custodies
-    assert state_file.total == len(b"read in custody\r\n")
-    assert fds_open_on(state_file.fd) == ours and fds_open_on(master) == {master}  # no copy kept
+    assert journal_file.counters()[0] == len(b"read in custody\r\n")
+    assert fds_open_on(journal_file.fd) == ours and fds_open_on(master) == {master}  # no copy kept

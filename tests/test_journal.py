@@ -1,7 +1,7 @@
-"""The journal's hand-over, in-process (DESIGN §12): an app writes the ring with
-`JournalWriter` while it holds custody, the holder takes it over when custody ends. Real
-state files (memfd), real PTYs; the app's death in the middle of a write is made by hand,
-byte by byte, since a SIGKILL cannot be aimed between two stores."""
+"""The journal's hand-over, in-process (DESIGN §12): an app writes its journal file with
+`JournalWriter` while it holds custody, the holder copies it into the replay when custody
+ends. Real journal files (memfd), real PTYs; the app's death in the middle of a write is
+made by hand, byte by byte, since a SIGKILL cannot be aimed between two stores."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def escrowed() -> Iterator[Session]:
     try:
         yield s
     finally:
+        journal.close_journal(s)
         s.ring.release()  # (Session.close also tells trio's loop, which is not running here)
         os.close(s.fd)
         os.close(master)
@@ -48,10 +49,16 @@ def session() -> Iterator[Session]:
 
 
 def writer_for(session: Session) -> JournalWriter:
-    layout = journal.grant(session)
-    assert layout is not None and layout.capacity == RING  # the whole ring, at once
+    granted = journal.grant(session)
+    assert granted is not None and granted[0].capacity == RING  # the ring's limit, at once
     journal.begin(session)
-    return JournalWriter(os.dup(session.ring.state.fd), layout)
+    return JournalWriter(os.dup(granted[1]), granted[0])
+
+
+def counters(session: Session) -> memoryview:
+    """The journal file's counters (`total`, `writing`, `reading`), as the app writes them."""
+    assert session.journal is not None
+    return session.journal._counters  # noqa: SLF001 (the app's side of the file, by hand)
 
 
 def test_the_holder_takes_over_exactly_what_the_app_recorded(session: Session) -> None:
@@ -83,10 +90,10 @@ def test_a_second_mapping_goes_on_where_the_first_stopped(session: Session) -> N
     """A custody that takes a session back from a restarted holder maps the file again,
     with a layout said at another moment: the bytes still follow each other."""
     first = writer_for(session)
-    layout = journal.grant(session)  # asked again (a resume) before more is written
+    granted = journal.grant(session)  # asked again (a resume) before more is written
     first.record(b"a" * 5000)
-    assert layout is not None
-    second = JournalWriter(os.dup(session.ring.state.fd), layout)
+    assert granted is not None
+    second = JournalWriter(os.dup(granted[1]), granted[0])
     first.close()
     second.record(b"b" * 5000)
     second.close()
@@ -105,13 +112,13 @@ def test_an_app_killed_in_the_middle_of_a_write_leaves_no_torn_bytes(
     data = b"".join(f"L{i:06d}\n".encode() for i in range(4000))  # 32,000 bytes
     writer.record(data)
     # The torn write, as the app's writer makes it: `writing` first, then the bytes.
-    state = session.ring.state
-    total = state.total
-    position = session.ring.position(total)
+    file, app = session.journal, counters(session)
+    assert file is not None
+    total = app[0]
+    position = total % RING
     torn = b"X" * MAX_WRITE
-    view = memoryview(state.data)
-    counters = state._total  # noqa: SLF001 (the app's side of the file, by hand)
-    counters[1] = total + len(torn)
+    view = file.data
+    app[1] = total + len(torn)
     half = len(torn) // 2
     first = min(half, RING - position)
     view[position : position + first] = torn[:first]
@@ -123,7 +130,7 @@ def test_an_app_killed_in_the_middle_of_a_write_leaves_no_torn_bytes(
     assert b"X" not in replay
     assert replay == data[-(RING - MAX_WRITE):]
     assert session.replay_gaps == [len(replay)]  # the torn write's bytes: after the last
-    assert session.ring.state.writing == session.ring.state.total
+    assert session.journal is None  # let go of: nothing the app writes now is read
 
 
 @pytest.mark.parametrize("read_marker", [True, False])
@@ -134,6 +141,7 @@ def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Ses
     `reading` mark (read, then record) and without (wait, then read into the ring)."""
     writer = writer_for(session)
     writer.read_marker = read_marker
+    app = counters(session)
     master, slave = os.openpty()
     tty.setraw(slave)
     try:
@@ -144,29 +152,29 @@ def test_a_read_through_the_journal_records_exactly_what_it_returns(session: Ses
             while len(got) < start + 1000:
                 got += writer.read(master, 65536)
         assert bytes(got) == sent
+        assert app[1] == app[0] == len(sent) and app[2] == 0
     finally:
         os.close(master)
         os.close(slave)
         writer.close()
     journal.end(session)
     assert session.ring.contents() == sent[-RING:]
-    assert session.ring.state.writing == session.ring.state.total == len(sent)
-    assert not session.ring.state.reading and session.replay_gaps == []
+    assert session.ring.total == len(sent) and session.replay_gaps == []
 
 
 DRAINED = b"".join(f"drained {i:04d}\n".encode() for i in range(300))  # 3,900 bytes
 
 
 @pytest.mark.parametrize("lie, drained_first", [
-    ("backwards", False), ("backwards", True), ("huge", False),
-], ids=["backwards", "below_what_the_holder_drained", "huge"])
+    ("backwards", False), ("backwards", True), ("huge", False), ("huge", True),
+], ids=["backwards", "below_what_the_holder_drained", "huge", "huge_after_a_drain"])
 def test_a_journal_that_lies_about_its_counter_is_not_believed(
     session: Session, lie: str, drained_first: bool,
 ) -> None:
-    """The state file is writable by the app: a counter that went back (or to an absurd
-    value) is not taken; the holder goes on from its own count, with a replay it can read.
-    Below what the holder itself had drained before the app took custody, it would have
-    the replay lose the holder's own bytes, which the app never touched."""
+    """The journal file is the app's to write: a counter that went back, or to an absurd
+    value, copies only what it can vouch for (nothing, here) and marks a gap; the holder's
+    own count and its own bytes (what it drained before the app took custody) are in a
+    file no app is sent, and stay as they were."""
     drained = DRAINED if drained_first else b""
     if drained:
         r, w = os.pipe()
@@ -179,15 +187,14 @@ def test_a_journal_that_lies_about_its_counter_is_not_believed(
     writer = writer_for(session)
     writer.record(b"x" * 1000)
     writer.close()
-    state = session.ring.state
-    lies = {"backwards": max(0, len(drained) - 1), "huge": 1 << 63}
-    state.set_total(lies[lie])
+    app = counters(session)
+    app[0] = {"backwards": 0, "huge": 1 << 63}[lie]
     before = session.ring.total
     assert before == len(drained)  # the holder's own count, from before custody
     journal.end(session)
     assert session.ring.total == before, "the app's counter was believed"
     assert session.ring.contents() == drained
-    assert session.ring.state.total == before
+    assert session.replay_gaps == [len(drained)], "no gap where the journal was not believed"
 
 
 def test_an_app_killed_with_a_read_in_flight_leaves_a_gap_and_drops_nothing(
@@ -202,12 +209,12 @@ def test_an_app_killed_with_a_read_in_flight_leaves_a_gap_and_drops_nothing(
     writer.record(data)
     master, slave = os.openpty()
     tty.setraw(slave)
-    state = session.ring.state
+    app = counters(session)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(writer.read(master, 65536)))
     try:
         reader.start()
-        wait_for(lambda: state.reading, 10, "the read to be marked in flight")
+        wait_for(lambda: app[2], 10, "the read to be marked in flight")
         writer.close()  # the app is gone (its read is still waiting)
         journal.end(session)
         os.write(slave, b"lost\n")  # the read returns with bytes the ring never gets
@@ -218,7 +225,6 @@ def test_an_app_killed_with_a_read_in_flight_leaves_a_gap_and_drops_nothing(
     assert got == [b"lost\n"]
     assert session.ring.contents() == data
     assert session.replay_gaps == [len(data)]
-    assert not state.reading and state.writing == state.total == len(data)
 
 
 @pytest.mark.parametrize("read_marker", [True, False])
@@ -236,8 +242,8 @@ def test_a_read_that_fails_records_nothing_and_leaves_no_mark(session: Session,
         os.close(master)
         os.close(slave)
         writer.close()
-    state = session.ring.state
-    assert not state.reading and state.writing == state.total == 6
+    app = counters(session)
+    assert app[2] == 0 and app[1] == app[0] == 6
     journal.end(session)
     assert session.ring.contents() == b"before"
     assert session.replay_gaps == []
@@ -249,7 +255,7 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
     writer = writer_for(session)
     master, slave = os.openpty()
     tty.setraw(slave)
-    state = session.ring.state
+    app = counters(session)
     got: list[bytes] = []
     readers = [threading.Thread(target=lambda: got.append(writer.read(master, 1)))
                for _ in range(2)]
@@ -259,7 +265,7 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
         wait_for(lambda: writer._reads == 2, 10, "both reads to start")  # noqa: SLF001
         os.write(slave, b"a")
         wait_for(lambda: got, 10, "a read to return")
-        assert state.reading  # the other read is still in flight
+        assert app[2]  # the other read is still in flight
         os.write(slave, b"b")
         for reader in readers:
             reader.join(10)
@@ -267,7 +273,7 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
         os.close(master)
         os.close(slave)
         writer.close()
-    assert sorted(got) == [b"a", b"b"] and not state.reading
+    assert sorted(got) == [b"a", b"b"] and not app[2]
     journal.end(session)
     assert session.ring.contents() in (b"ab", b"ba") and session.replay_gaps == []
 
@@ -275,11 +281,11 @@ def test_the_mark_stays_while_another_read_is_in_flight(session: Session) -> Non
 def test_a_read_in_flight_while_the_writer_moves_to_a_new_file_is_marked_there(
     session: Session,
 ) -> None:
-    """A custody that takes its session back from a new holder maps that holder's file
-    while a read waits in the old one: the new file must say a read is in flight, or an
-    app that died before the read returned would leave the new holder a replay with those
-    bytes gone and no gap marked. The read's bytes, once back, are recorded in the new file
-    and the mark cleared."""
+    """A custody that takes its session back from a new holder maps the journal file that
+    holder sends while a read waits in the old one: the new file must say a read is in
+    flight, or an app that died before the read returned would leave the new holder a
+    replay with those bytes gone and no gap marked. The read's bytes, once back, are
+    recorded in the new file and the mark cleared."""
     writer = writer_for(session)
     master, slave = os.openpty()
     tty.setraw(slave)
@@ -295,16 +301,16 @@ def test_a_read_in_flight_while_the_writer_moves_to_a_new_file_is_marked_there(
     try:
         with escrowed() as moved:
             reader.start()
-            wait_for(lambda: session.ring.state.reading, 10, "the read to be marked in flight")
-            layout = journal.grant(moved)
-            assert layout is not None
+            wait_for(lambda: counters(session)[2], 10, "the read to be marked in flight")
+            granted = journal.grant(moved)
+            assert granted is not None
             journal.begin(moved)
-            writer.remap(os.dup(moved.ring.state.fd), layout)
-            assert moved.ring.state.reading, "the read in flight is not marked in the new file"
+            writer.remap(os.dup(granted[1]), granted[0])
+            assert counters(moved)[2], "the read in flight is not marked in the new file"
             os.write(slave, b"read across the move\n")
             reader.join(10)
             assert got == [b"read across the move\n"]
-            assert not moved.ring.state.reading
+            assert not counters(moved)[2]
             writer.close()
             journal.end(moved)
             assert moved.ring.contents() == b"read across the move\n"
@@ -331,7 +337,7 @@ def test_a_read_cut_short_on_its_way_into_the_ring_stays_marked(
     with pytest.raises(TypeError):
         writer.read(0, 100)
     assert writer.read(0, 100) == b"later"
-    assert session.ring.state.reading
+    assert counters(session)[2]
     writer.close()
     journal.end(session)
     assert session.ring.contents() == b"later"
