@@ -79,14 +79,15 @@ class Retrieved:
 class ReclaimReport:
     """What `reclaim_all` took back, what it could not, and who answered: an empty report
     from a holder that started with nothing (`adopted` 0) after restarts (`restarts`,
-    `unclean_restarts` above 0) means the escrow was lost, not that there was none."""
+    `unclean_restarts` above 0, or None: unknown) means the escrow was lost, not that there
+    was none."""
 
     retrieved: dict[str, Retrieved] = field(default_factory=dict)
     failed: dict[str, errors.EscrowError] = field(default_factory=dict)
     holder_instance: str = ""
     adopted: int = 0
-    restarts: int = 0
-    unclean_restarts: int = 0
+    restarts: int | None = 0  # None: unknown (the holder lost its count)
+    unclean_restarts: int | None = 0
 
 
 class EscrowClient:

@@ -33,21 +33,21 @@ _SAME_START = 1e-3
 def process_start_time(pid: int) -> float | None:
     try:
         return float(psutil.Process(pid).create_time())
-    except (psutil.Error, OSError):  # OSError: out of fds, /proc unreadable
+    except (psutil.Error, OSError, ValueError, OverflowError):  # OSError: out of fds
         return None
 
 
 def process_alive(pid: int | None, start_time: float | None) -> bool | None:
     """True if `pid` runs, is not a zombie and (where `start_time` is known) started then."""
-    if pid is None:
-        return None
+    if pid is None or not 0 < pid < 1 << 31:
+        return None  # not a pid at all (a record gone wrong): nothing can be told of it
     try:
         proc = psutil.Process(pid)
         status = proc.status()
         created = proc.create_time()
     except psutil.NoSuchProcess:  # ZombieProcess is one: a zombie is proof of death too
         return False
-    except (psutil.Error, OSError):  # OSError: out of fds, /proc unreadable
+    except (psutil.Error, OSError, ValueError, OverflowError):  # OSError: out of fds
         return None
     if status == psutil.STATUS_ZOMBIE:
         return False

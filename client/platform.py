@@ -40,6 +40,18 @@ _XUCRED = struct.Struct("=IIh2x16I")
 _XUCRED_VERSION = 0
 
 
+def pid_max() -> int:
+    """The largest pid this system hands out: Linux says it in /proc (4,194,304 at most);
+    macOS's is fixed (99,999)."""
+    if IS_LINUX:
+        try:
+            with open("/proc/sys/kernel/pid_max", "rb") as f:
+                return int(f.read().strip() or 0) or 1 << 22
+        except (OSError, ValueError):
+            return 1 << 22
+    return 99_999
+
+
 def harden_socket(sock: socket.socket) -> None:
     """Make `sock` safe to send on after its peer is gone (macOS has no MSG_NOSIGNAL)."""
     nosigpipe = getattr(socket, "SO_NOSIGPIPE", None)

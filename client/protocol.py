@@ -279,8 +279,14 @@ class HolderStatus(Message, tag="holder_status"):
     fd_store: str = "none"
     keeper_pid: int | None = None
     adopted: int = 0
-    restarts: int = 0
-    unclean_restarts: int = 0
+    # None: unknown (the count itself was lost: a "no restart" would be a lie).
+    restarts: int | None = 0
+    unclean_restarts: int | None = 0
+    # Of the sessions adopted, those whose record could not be believed (adopted with a
+    # fresh ring, their replay marked lost: see section 10.4), and those renamed because
+    # another claimed the same owner/id.
+    adopted_without_record: int = 0
+    adopted_renamed: int = 0
 
 
 class Error(Message, tag="error"):

@@ -1,12 +1,33 @@
 """Adoption: a holder that starts with stored fds takes up what an earlier holder left
 (DESIGN §11).
 
-Each stored session is a pair of fds under one name (escrowd.fdstore): its PTY master and its
-state file. A pair is adopted only if the state file is whole (magic, layout version,
-checksum, a valid record naming the same token) and the master is a PTY master; anything
-unpaired, corrupt or doubled is closed, logged and taken out of the store, and the rest is
-adopted all the same. Each session resumes by the state it recorded:
+Each stored session is a group of fds under one name (escrowd.fdstore): its PTY master, its
+state file and, while an app journals it, the journal file. Nothing stored is believed
+until it is checked (escrowd.bounds), and doubt never closes a terminal:
 
+- A valid PTY master is a session. With a state file whose record can be believed (whole,
+  every field within bounds, naming the same token), it resumes as it was recorded (below).
+  Without one (the file is missing, unreadable, torn, of another session, or out of
+  bounds) it is adopted with what can be proven: the terminal itself, a fresh ring, the
+  replay marked lost from its start (a gap at 0), its foreground process group as its
+  child, and its owner and id if a record still says them, else a name that says its
+  record is lost (`escrowd/lost-pts<N>-<token>`). It drains, and stays listed until an
+  app or a user releases it (or the unclaimed TTL); a deposit of the same terminal from
+  its app takes it back under the app's name (escrowd.server).
+- Two copies of one terminal (a group stored again under a new name, and the old one whose
+  removal a kill cut off) are one session: the believed (or newer) one is kept, and the
+  other copy is closed, since the terminal stays open through the first.
+- Two sessions claiming one owner/id both stay: the older is renamed `<id>.dup-<token>`.
+- Only what is not a PTY master (a slave, where the holder would read the user's
+  keystrokes; a pipe; a state file with no terminal) and what is proven ended (a record
+  that says `handed_off`, `released` or `expired`: the app reads that terminal, or nobody
+  may) is closed and taken out of the store.
+- Anything that goes wrong with one session stays with that session: its master is never
+  closed for it, and the next session is adopted all the same. A group that is not
+  exactly one master and its believed state file is stored again, each session under a
+  new name, before the old name is removed.
+
+Sessions resume by their recorded state:
 - `draining`: drains on, with its ring. After an unclean stop, one read may have been in
   flight: the oldest bytes it may have overwritten (only a ring that could grow no more
   overwrites) are dropped, and `replay_gap_at` marks where its bytes would have been. The
@@ -18,6 +39,10 @@ adopted all the same. Each session resumes by the state it recorded:
 - `held`: stays held while its custodian process lives (escrowd.pidwatch), and drains the
   moment there is positive proof that it died. An app that comes back takes custody again
   on a new connection.
+
+The holder's own state file counts restarts; one that cannot be believed, found beside
+stored sessions, makes the counts unknown (None), never 0: a total loss must not read as
+"no restart".
 """
 
 from __future__ import annotations
@@ -25,25 +50,41 @@ from __future__ import annotations
 import os
 import stat
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
 from escrow_client.fdpass import close_fds
-from escrow_client.platform import is_pty_master
+from escrow_client.liveness import process_start_time
+from escrow_client.platform import is_pty_master, pty_number
 from escrow_client.protocol import TOMBSTONE_STATES
 
-from .fdstore import HOLDER_NAME, JOURNAL_PREFIX, SESSION_PREFIX, journal_name, session_name
+from .bounds import holder_record_doubt, record_doubt
+from .fdstore import (
+    HOLDER_NAME,
+    JOURNAL_PREFIX,
+    SESSION_PREFIX,
+    StoreError,
+    journal_name,
+    session_name,
+)
 from .journal import JournalFile
 from .log import log
 from .pidwatch import wait_exit
 from .ring import Ring
 from .session import Session
-from .statefile import CorruptState, HolderRecord, Record, StateFile
+from .statefile import CorruptState, HolderRecord, Record, StateFile, newest_record
 
 if TYPE_CHECKING:
+    from .connection import Connection
     from .server import Holder
+
+T = TypeVar("T")
+LOST_OWNER = "escrowd"  # the owner of a session adopted with no record that names one
+LOST_LABEL = "adopted without its record: its replay from before is lost"
 
 
 @dataclass
@@ -51,53 +92,69 @@ class Adoption:
     """What a holder found in the store at start, for `status`."""
 
     instance: str
-    restarts: int = 0  # holders that ran on this store before this one
-    unclean_restarts: int = 0  # of them, those that did not stop cleanly
+    restarts: int | None = 0  # holders that ran on this store before this one (None: unknown)
+    unclean_restarts: int | None = 0  # of them, those that did not stop cleanly
     adopted: int = 0  # sessions taken up by this holder
-    refused: int = 0  # stored pairs closed as corrupt, unpaired or doubled
+    without_record: int = 0  # of them, adopted with a fresh ring (no record believed)
+    renamed: int = 0  # of them, renamed: another claimed the same owner/id
+    refused: int = 0  # stored groups (or fds of them) closed: not a terminal, or ended
     holder_state: StateFile[HolderRecord] | None = None
+    # Masters that could not be taken up at all (no state file could be made: out of fds
+    # or memory): kept open, unread, and left in the store for the next holder.
+    held_back: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Found:
+    """A session taken up from one stored group, and how it was."""
+
+    session: Session
+    believed: bool  # its record was believed
+    group: str  # the name it was stored under
+    moved: bool = False  # stored again under its own (new) name
+    others: list[int] = field(default_factory=list)
 
 
 async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
     """Count this start in the holder's own state file (stored first, if it is new), then
     take up every stored session (see the module's docstring). Runs before the holder
-    accepts its first connection."""
+    accepts its first connection; raises nothing for what it finds."""
     report = Adoption(holder.instance)
-    if _holder_state(holder, stored.pop(HOLDER_NAME, []), report):
-        assert report.holder_state is not None
-        await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
-    found: dict[tuple[str, str], Session] = {}
     journals = {name[len(JOURNAL_PREFIX):]: stored.pop(name) for name in list(stored)
                 if name.startswith(JOURNAL_PREFIX)}
+    holder_fds = stored.pop(HOLDER_NAME, [])
+    if _holder_state(holder, holder_fds, report, bool(stored or journals)):
+        assert report.holder_state is not None
+        try:
+            await holder.store.store(HOLDER_NAME, [report.holder_state.fd])
+        except StoreError as exc:
+            log("fd_store", name=HOLDER_NAME, error=str(exc), reason="the restart counts "
+                "are not kept for the next holder")
+    found: list[_Found] = []
     for name, fds in stored.items():
-        if not name.startswith(SESSION_PREFIX):
-            _refuse(holder, name, fds, "not a name this holder stores", report)
-            continue
-        session = _pair(holder, name, fds, report, journals)
-        if session is None:
-            continue
-        other = found.get(session.key)
-        if other is not None:
-            # Two stored sessions under one key: the newer deposit is the live one.
-            older, session = sorted((other, session), key=lambda s: s.deposited_at)
-            older.close()
-            _refuse(holder, session_name(older.token), [], f"an older deposit of "
-                    f"{older.name} left in the store", report)
-        found[session.key] = session
+        found += await _take_up(holder, name, fds, journals, report)
     for token, fds in journals.items():  # no session took them: nothing can write them now
         _refuse(holder, journal_name(token), fds, "a journal of no session", report)
-    for session in found.values():
+    found = _one_per_terminal(holder, found, report)
+    _names_apart(found, report)
+    for each in found:
+        session = each.session
         holder.registry.live[session.key] = session
-        session.persist()
-        _resume(holder, session)
+        try:
+            session.persist()
+            _resume(holder, session)
+        except Exception as exc:  # this session's alone: it is kept, listed, and retried
+            session.log("internal_error", where="adoption", error=repr(exc))
         report.adopted += 1
-    if report.adopted or report.restarts:
+    if report.adopted or report.restarts or report.refused:
         log("adopted", sessions=report.adopted, refused=report.refused,
+            without_record=report.without_record or None, renamed=report.renamed or None,
             restarts=report.restarts, unclean_restarts=report.unclean_restarts)
     return report
 
 
-def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
+def _holder_state(holder: Holder, fds: list[int], report: Adoption,
+                  sessions_stored: bool) -> bool:
     """The holder's own state file: count this start, and whether the last holder stopped
     cleanly. A new one if there was none (or it is unreadable). Returns True when the file
     must be stored (it is new, or the store had more than one): a file the store already
@@ -113,6 +170,10 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
         try:
             state = StateFile(fd, HolderRecord)
             previous = state.record()
+            doubt = holder_record_doubt(previous) if previous is not None else None
+            if doubt is not None:
+                log("adopt_refused", name=HOLDER_NAME, reason=f"its record: {doubt}")
+                previous = None
         except CorruptState as exc:
             log("adopt_refused", name=HOLDER_NAME, reason=str(exc))
     store_it = state is None or len(fds) > 1
@@ -123,8 +184,13 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
             return False
         state = StateFile.create(HolderRecord, 0, "holder", holder.registry.private_dir)
     if previous is not None:
-        report.restarts = previous.restarts + 1
-        report.unclean_restarts = previous.unclean_restarts + (0 if previous.clean else 1)
+        report.restarts = None if previous.restarts is None else previous.restarts + 1
+        report.unclean_restarts = (None if previous.unclean_restarts is None else
+                                   previous.unclean_restarts + (0 if previous.clean else 1))
+    elif fds or sessions_stored:
+        # Sessions were kept, but no count can be believed: how many holders came before
+        # is not known.
+        report.restarts = report.unclean_restarts = None
     state.write(HolderRecord(instance=holder.instance, started_at=time.time(),
                              restarts=report.restarts,
                              unclean_restarts=report.unclean_restarts))
@@ -132,42 +198,106 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption) -> bool:
     return store_it and holder.store.enabled
 
 
-def _pair(holder: Holder, name: str, fds: list[int], report: Adoption,
-          journals: dict[str, list[int]]) -> Session | None:
-    masters = [fd for fd in fds if _is_char_device(fd)]
-    files = [fd for fd in fds if _is_regular_file(fd)]
-    if len(masters) != 1 or len(files) != 1 or len(fds) != 2:
-        _refuse(holder, name, fds, f"expected a PTY master and a state file, got "
-                f"{len(masters)} terminal(s) and {len(files)} file(s) of {len(fds)}", report)
-        return None
-    master, file_fd = masters[0], files[0]
-    if not is_pty_master(master):
-        _refuse(holder, name, fds, "the stored terminal is not a PTY master", report)
-        return None
-    try:
-        state = StateFile(file_fd, Record)
-    except CorruptState as exc:
-        _refuse(holder, name, [master], f"corrupt state file: {exc}", report)
-        return None
-    record = state.record()
-    why = None
-    if record is None:
-        why = "the state file has no valid record"
-    elif session_name(record.token) != name:
-        why = f"the state file belongs to {session_name(record.token)}"
-    elif record.state in TOMBSTONE_STATES:
-        why = f"{record.owner}/{record.id} ended ({record.state}) before its fds left the store"
-    if why is not None or record is None:
-        state.close()
-        _refuse(holder, name, [master], why or "", report)
-        return None
+# --- one stored group ---------------------------------------------------------------------
+
+
+async def _take_up(holder: Holder, name: str, fds: list[int], journals: dict[str, list[int]],
+                   report: Adoption) -> list[_Found]:
+    """The sessions in one stored group (see the module's docstring). Every fd of the
+    group ends up owned by a session, held back, or closed: never two of these."""
+    token = name[len(SESSION_PREFIX):] if name.startswith(SESSION_PREFIX) else None
+    masters, files, others = _sort(fds)
+    if not masters:
+        _refuse(holder, name, fds, "no PTY master: " + (
+            f"{len(others)} fd(s) of another kind (not a PTY master: a PTY slave would give "
+            "the holder the user's keystrokes)" if others else "a state file alone"), report)
+        return []
+    if others:
+        _refuse(holder, name, others, f"{len(others)} fd(s) that are not a PTY master nor "
+                "a state file (a PTY slave would give the holder the user's keystrokes)",
+                report, remove=False)
+    records, named, why = _records(files, token)
+    found: list[_Found] = []
+    held_back = False
+    for master in masters:
+        if records:
+            state, record = records.pop(0)
+            if record.state in TOMBSTONE_STATES:
+                state.close()
+                _refuse(holder, name, [master], f"{record.owner}/{record.id} ended "
+                        f"({record.state}) before its fds left the store", report,
+                        remove=len(masters) == 1)
+                continue
+            try:
+                session = _as_recorded(holder, master, state, record, journals)
+                found.append(_Found(session, True, name))
+                continue
+            except Exception as exc:  # taken up all the same, with what can be proven
+                why = f"its record could not be taken up: {exc!r}"
+        try:
+            found.append(_Found(_unrecorded(holder, master, named, why), False, name))
+            report.without_record += 1
+        except Exception as exc:
+            # Not even a fresh state file (out of fds or memory): never closed for that.
+            report.held_back.append(master)
+            held_back = True
+            log("adopt_held_back", name=name, error=repr(exc), reason="kept open and "
+                "stored, for the next holder: no state file could be made for it now")
+    for state, _ in records:
+        state.close()  # a state file for which no master was stored
+    whole = len(found) == 1 and found[0].believed and not others and len(files) == 1
+    if found and not whole and not held_back:
+        await _store_apart(holder, name, found)
+    return found
+
+
+def _records(files: list[int], token: str | None) -> tuple[
+        list[tuple[StateFile[Record], Record]], tuple[str, str] | None, str]:
+    """Of a group's regular files, the state files whose record can be believed for
+    `token`; an owner/id a record of that token says (believed or not); and why none can
+    be, if none can. The files not returned are closed."""
+    records: list[tuple[StateFile[Record], Record]] = []
+    named: tuple[str, str] | None = None
+    why = "no state file was stored with it"
+    for fd in files:
+        salvaged = newest_record(fd)  # (before StateFile, which closes a file it refuses)
+        try:
+            state = StateFile(fd, Record)
+        except CorruptState as exc:
+            why = f"its state file: {exc}"
+            if named is None and salvaged is not None and salvaged.token == token:
+                named = _name_of(salvaged)
+            continue  # (closed by StateFile)
+        record = state.record()
+        if record is None:
+            doubt: str | None = "its state file has no valid record"
+        elif record.token != token:
+            doubt = f"its state file belongs to {session_name(record.token)}"
+        else:
+            doubt = record_doubt(record, state.size, state.total)
+            named = named or _name_of(record)
+        if doubt is not None or record is None:
+            why = doubt or why
+            state.close()
+            continue
+        records.append((state, record))
+    return records, named, why
+
+
+def _as_recorded(holder: Holder, master: int, state: StateFile[Record], record: Record,
+                 journals: dict[str, list[int]]) -> Session:
+    """A session as its (believed) record says. Takes `master` and `state` on success only."""
     ring = Ring(state.size, holder.registry.budget, state)
-    # A read may have been in flight when the last holder died: a drain's, or (in
-    # `handing_off`) the sweep's, or a drain's last read as the handoff stopped it.
-    in_flight = not record.clean and record.state in ("draining", "handing_off")
-    trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
-                         record.length_at_layout, in_flight, record.saturated,
-                         record.consumed, record.dropped_base)
+    try:
+        # A read may have been in flight when the last holder died: a drain's, or (in
+        # `handing_off`) the sweep's, or a drain's last read as the handoff stopped it.
+        in_flight = not record.clean and record.state in ("draining", "handing_off")
+        trimmed = ring.adopt(record.capacity, record.origin, record.total_at_layout,
+                             record.length_at_layout, in_flight, record.saturated,
+                             record.consumed, record.dropped_base)
+    except BaseException:
+        ring.release()  # (and the state file with it)
+        raise
     session = Session.adopted(master, ring, record, holder.instance, holder.store,
                               holder.registry.private_dir,
                               _journal(holder, record, journals.pop(record.token, [])))
@@ -176,6 +306,54 @@ def _pair(holder: Holder, name: str, fds: list[int], report: Adoption,
     session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session
+
+
+def _unrecorded(holder: Holder, master: int, named: tuple[str, str] | None,
+                why: str) -> Session:
+    """A session with no record to believe: the terminal, a fresh ring and a gap at its
+    start, its name if a record said one, its foreground process group as its child. If
+    not even a ring can be had (out of memory or fds), it has none: it drains all the
+    same, counting what it cannot keep as dropped."""
+    token = uuid.uuid4().hex
+    if named is None:
+        number = _quietly(pty_number, master)
+        named = (LOST_OWNER, f"lost-pts{number if number is not None else 'x'}-{token[:8]}")
+    child = _quietly(os.tcgetpgrp, master)
+    child = child if child is not None and child > 0 else None
+    now = time.time()
+    record = Record(token=token, owner=named[0], id=named[1], label=LOST_LABEL,
+                    child_pid=child, child_start_time=_quietly(process_start_time, child)
+                    if child else None, state="draining", deposited_at=now, state_since=now,
+                    gap_totals=[0], instance=holder.instance, record_lost=True)
+    ring = holder.registry.new_ring()
+    session = Session.adopted(master, ring, record, holder.instance, holder.store,
+                              holder.registry.private_dir)
+    session.log("adopted", state="draining", reason=f"without its record: {why}",
+                replay_gap_at=0)
+    return session
+
+
+async def _store_apart(holder: Holder, group: str, found: list[_Found]) -> None:
+    """Store each session of `group` under its own name (a new token for one adopted as
+    recorded), then remove the group: a kill in between leaves two copies of a terminal,
+    which the next adoption makes one again. If a store fails the group stays stored."""
+    for each in found:
+        session = each.session
+        if each.believed:
+            # Its record says the new name before the store has it: a kill in between
+            # leaves the old group with a record of another token (taken up without it),
+            # and the new one whole; the next adoption keeps the whole one.
+            session.token = uuid.uuid4().hex
+            session.persist()
+        try:
+            await holder.store.store(session_name(session.token),
+                                     [session.fd, session.ring.state.fd])
+        except StoreError as exc:
+            session.log("fd_store", error=str(exc), reason=f"not stored apart from {group}, "
+                        "which stays stored")
+            return
+        each.moved = True
+    holder.store.remove(group)
 
 
 def _journal(holder: Holder, record: Record, fds: list[int]) -> JournalFile | None:
@@ -192,6 +370,62 @@ def _journal(holder: Holder, record: Record, fds: list[int]) -> JournalFile | No
         log("adopt_refused", name=journal_name(record.token), reason=f"its journal: {exc}")
         holder.store.remove(journal_name(record.token))
         return None
+
+
+# --- across groups --------------------------------------------------------------------------
+
+
+def _one_per_terminal(holder: Holder, found: list[_Found], report: Adoption) -> list[_Found]:
+    """One session per terminal: of two copies of one terminal, the believed one is kept
+    (else the newer deposit), and the other copy is closed (the terminal stays open through
+    the one kept) and taken out of the store."""
+    kept: dict[tuple[int, int], _Found] = {}
+    result: list[_Found] = []
+    for each in found:
+        terminal = each.session.terminal
+        if terminal is None:
+            result.append(each)
+            continue
+        other = kept.get(terminal)
+        if other is None:
+            kept[terminal] = each
+            result.append(each)
+            continue
+        keep, drop = sorted((other, each), key=lambda f: (f.believed,
+                                                          f.session.deposited_at),
+                            reverse=True)
+        if keep is not other:
+            result[result.index(other)] = keep
+            kept[terminal] = keep
+        gone = drop.session
+        if drop.moved:
+            holder.store.remove(session_name(gone.token))
+        elif not any(f.group == drop.group and not f.moved for f in result):
+            holder.store.remove(drop.group)
+        gone.close()
+        report.refused += 1
+        log("adopt_refused", name=drop.group, session=gone.name,
+            reason=f"another copy of the terminal of {keep.session.name}")
+    return result
+
+
+def _names_apart(found: list[_Found], report: Adoption) -> None:
+    """Two sessions under one owner/id: the newer deposit keeps the name, the older is
+    renamed `<id>.dup-<token>` (both stay, both are listed)."""
+    by_key: dict[tuple[str, str], list[Session]] = {}
+    for each in found:
+        by_key.setdefault(each.session.key, []).append(each.session)
+    for sessions in by_key.values():
+        sessions.sort(key=lambda s: s.deposited_at, reverse=True)
+        for older in sessions[1:]:
+            old_name = older.name
+            older.id = f"{older.id[:110]}.dup-{older.token[:8]}"
+            report.renamed += 1
+            log("adopt_renamed", session=older.name, was=old_name,
+                reason=f"{sessions[0].name} was deposited later under the same name")
+
+
+# --- resuming -------------------------------------------------------------------------------
 
 
 def _resume(holder: Holder, session: Session) -> None:
@@ -243,23 +477,79 @@ async def _await_adopted_ack(holder: Holder, session: Session) -> None:
         session.watch_scope = None
 
 
-def _refuse(holder: Holder, name: str, fds: list[int], why: str,
-            report: Adoption) -> None:
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _refuse(holder: Holder, name: str, fds: list[int], why: str, report: Adoption,
+            remove: bool = True) -> None:
     close_fds(fds)
-    holder.store.remove(name)
+    if remove:
+        holder.store.remove(name)
     report.refused += 1
     log("adopt_refused", name=name, reason=why)
 
 
-def _is_char_device(fd: int) -> bool:
-    try:
-        return stat.S_ISCHR(os.fstat(fd).st_mode)
-    except OSError:
-        return False
+def _sort(fds: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """PTY masters, regular files (state files, maybe), and the rest."""
+    masters, files, others = [], [], []
+    for fd in fds:
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            others.append(fd)
+            continue
+        if stat.S_ISCHR(mode) and _quietly(is_pty_master, fd):
+            masters.append(fd)
+        elif stat.S_ISREG(mode):
+            files.append(fd)
+        else:
+            others.append(fd)
+    return masters, files, others
 
 
-def _is_regular_file(fd: int) -> bool:
+def _name_of(record: Record) -> tuple[str, str] | None:
+    """The owner/id a record says, if they are names at all."""
+    bare = Record(token=record.token, owner=record.owner, id=record.id)
+    return (record.owner, record.id) if record_doubt(bare, 0, 0) is None else None
+
+
+def _quietly(call: Callable[..., T], *args: object) -> T | None:
+    """`call(*args)`, or None if it raised: what cannot be told is not told."""
     try:
-        return stat.S_ISREG(os.fstat(fd).st_mode)
-    except OSError:
-        return False
+        return call(*args)
+    except Exception:
+        return None
+
+
+async def claim_unrecorded(holder: Holder, conn: Connection, sid: str,
+                           terminal: tuple[int, int] | None) -> Session | None:
+    """A deposit of a terminal this holder took up without its record, from an app that
+    has that terminal (it sent it): the app's custody outlived the last holder, and it is
+    reading the terminal itself. The session becomes that app's again, under its name,
+    held by this connection, and the holder stops reading it at once (two readers would
+    split the output). None if the deposit is not such a claim, or the session changed
+    meanwhile."""
+    registry = holder.registry
+    if terminal is None:
+        return None
+    session = next((s for s in registry.live.values()
+                    if s.record_lost and s.terminal == terminal), None)
+    key = (conn.owner, sid)
+    if (session is None or session.state not in ("draining", "exited")
+            or (key != session.key and key in registry.live)):
+        return None
+    await session.stop_drain()
+    if (registry.live.get(session.key) is not session or session.has_drain()
+            or session.state not in ("draining", "exited") or session.fd < 0
+            or (key != session.key and key in registry.live)):
+        return None
+    was = session.name
+    session.leave_event_loop()  # the app's flags back, before the app reads on
+    registry.rename(session, key)
+    session.record_lost = False
+    session.label = ""
+    session.custodian_pid = conn.peer_pid
+    session.custodian_start_time = conn.peer_start_time()
+    session.set_state("held", f"claimed by its app (was {was})", persist=False)
+    session.take_custody(conn, f"its app deposited the terminal again on conn={conn.number}")
+    return session

@@ -29,8 +29,9 @@ async def wait_exit(pid: int, start_time: float | None) -> None:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             return
-        except OSError:
-            # Out of fds, say: ask now and then instead. Never a crash of the holder.
+        except (OSError, ValueError, OverflowError):
+            # Out of fds, say (or a pid no pidfd can be opened for): ask now and then
+            # instead. Never a crash of the holder.
             while process_alive(pid, start_time) is not False:
                 await trio.sleep(_FALLBACK_PERIOD)
             return

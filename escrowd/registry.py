@@ -76,6 +76,14 @@ class Registry:
         self.tombstones.pop(session.key, None)  # a relaunched app reuses its ids
         self.live[session.key] = session
 
+    def rename(self, session: Session, key: Key) -> None:
+        """File a live session under another owner/id (free: `check_room` first)."""
+        assert self.live.get(session.key) is session and key not in self.live
+        del self.live[session.key]
+        session.owner, session.id = key
+        self.tombstones.pop(key, None)
+        self.live[key] = session
+
     def get(self, owner: str, sid: str) -> Session | None:
         return self.live.get((owner, sid))
 
@@ -119,8 +127,10 @@ class Registry:
         session.close()
 
     def sessions(self, owner: str | None) -> list[SessionInfo]:
-        """Live sessions and tombstones of `owner` (every owner if None)."""
-        infos = [s.info() for s in self.live.values() if owner in (None, s.owner)]
+        """Live sessions and tombstones of `owner` (every owner if None). One session that
+        cannot be described (a liveness question that failed, say) is listed without
+        `child_alive`, and never keeps the others from being listed."""
+        infos = [_info(s) for s in self.live.values() if owner in (None, s.owner)]
         infos += [_fresh(t) for t in self.tombstones.values() if owner in (None, t[0].owner)]
         return infos
 
@@ -131,6 +141,16 @@ class Registry:
         for tomb, _ in self.tombstones.values():
             counts[tomb.state] = counts.get(tomb.state, 0) + 1
         return counts
+
+
+def _info(session: Session) -> SessionInfo:
+    try:
+        return session.info()
+    except OSError:
+        raise  # out of fds: the caller answers `limit`
+    except Exception as exc:
+        session.log("internal_error", where="list", error=repr(exc))
+        return session.info(liveness=False)
 
 
 def _fresh(entry: tuple[SessionInfo, float | None]) -> SessionInfo:

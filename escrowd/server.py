@@ -31,7 +31,7 @@ from escrow_client.platform import (
 )
 
 from . import __version__, handoff, journal
-from .adoption import Adoption, adopt, watch_custodian
+from .adoption import Adoption, adopt, claim_unrecorded, watch_custodian
 from .config import Config
 from .connection import Connection, SendTimeout
 from .fdstore import HOLDER_NAME, FdStore, StoreError, session_name
@@ -436,6 +436,12 @@ class Holder:
                 conn.custodian = True
                 await self._deposited(conn, held, request.journal)
                 return
+            claimed = await claim_unrecorded(self, conn, request.id, terminal)
+            if claimed is not None:
+                os.close(fd)  # the holder has this terminal already
+                conn.custodian = True
+                await self._deposited(conn, claimed, request.journal)
+                return
             self.registry.check_room((conn.owner, request.id), terminal)
             start_time = _start_time(request.child_pid)
             custodian_start = _start_time(conn.peer_pid)
@@ -622,6 +628,8 @@ class Holder:
             adopted=self.adoption.adopted if self.adoption else 0,
             restarts=self.adoption.restarts if self.adoption else 0,
             unclean_restarts=self.adoption.unclean_restarts if self.adoption else 0,
+            adopted_without_record=self.adoption.without_record if self.adoption else 0,
+            adopted_renamed=self.adoption.renamed if self.adoption else 0,
         )
 
 

@@ -96,6 +96,7 @@ class Session:
         self.journal_copying = False
         self.journal_ranges: list[tuple[int, int]] = []
         self.hung_up = False  # a read failed: the last slave fd is closed
+        self.record_lost = False  # adopted without its record (escrowd.adoption)
         self._saved_flags: int | None = None
         self._init_runtime()
         ring.on_layout = self.persist
@@ -128,7 +129,11 @@ class Session:
         self.owner, self.id, self.label = record.owner, record.id, record.label
         self.child_pid, self.child_start_time = record.child_pid, record.child_start_time
         self.cols, self.rows, self.meta = record.cols, record.rows, record.meta
-        self.fd, self.terminal, self.ring = fd, terminal_identity(fd), ring
+        self.fd, self.ring = fd, ring
+        try:
+            self.terminal = terminal_identity(fd)
+        except OSError:  # out of fds, say: it cannot be told apart now (never a crash)
+            self.terminal = None
         self.custodian = None
         self.custodian_pid = record.custodian_pid
         self.custodian_start_time = record.custodian_start_time
@@ -140,6 +145,7 @@ class Session:
         self.journal, self.journal_copying = journal, record.journal_copying
         self.journal_ranges = [(a, b) for a, b in record.journal_ranges]
         self.hung_up = False
+        self.record_lost = record.record_lost
         self._saved_flags = record.saved_flags
         self._init_runtime()
         ring.on_layout = self.persist
@@ -177,7 +183,7 @@ class Session:
             gap_totals=self.gap_totals, instance=self.instance, clean=clean,
             journal_from=self.journal_from, journal_ranges=self.journal_ranges,
             journal_capacity=self.journal.capacity if self.journal is not None else 0,
-            journal_copying=self.journal_copying,
+            journal_copying=self.journal_copying, record_lost=self.record_lost,
             **self.ring.layout(),
         ))
 

@@ -33,6 +33,7 @@ import struct
 import sys
 import tempfile
 import zlib
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -98,17 +99,19 @@ class Record(msgspec.Struct, kw_only=True):
     journal_copying: bool = False  # its journal is being copied into the ring (custody ended)
     journal_ranges: list[tuple[int, int]] = []  # [from, to) totals an app recorded
     gap_totals: list[int] = []  # byte numbers after which one read may be missing
+    record_lost: bool = False  # adopted without a record it could believe (escrowd.adoption)
     instance: str = ""  # the holder that wrote it
     clean: bool = False  # True only once a holder stopped cleanly after writing it
 
 
 class HolderRecord(msgspec.Struct, kw_only=True):
-    """The holder's own state file (no ring): how often holders restarted on this store."""
+    """The holder's own state file (no ring): how often holders restarted on this store
+    (None: unknown, since a holder found sessions stored but no count it could believe)."""
 
     instance: str
     started_at: float
-    restarts: int = 0
-    unclean_restarts: int = 0
+    restarts: int | None = 0
+    unclean_restarts: int | None = 0
     clean: bool = False
 
 
@@ -222,24 +225,7 @@ class StateFile(Generic[R]):
         """The newest valid record and its sequence number; fills `_slot_seq` with the
         sequence number of every valid slot."""
         best: tuple[int, R | None] = (0, None)
-        for i, (offset, size) in enumerate(_SLOTS):
-            # Read with pread, not through the mapping: a slot never written is a hole, and
-            # touching it through a shared mapping would allocate a page of memory (two per
-            # session, for the big slots) just to read zeros.
-            head = os.pread(self.fd, _SLOT_HEAD.size, offset)
-            if len(head) < _SLOT_HEAD.size:
-                continue
-            seq, length, crc = _SLOT_HEAD.unpack(head)
-            if seq == 0 or length > size - _SLOT_HEAD.size:
-                continue
-            body_at = offset + _SLOT_HEAD.size
-            payload = os.pread(self.fd, length, body_at)
-            if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
-                continue  # torn, or never finished
-            try:
-                record = self._decoder.decode(payload)
-            except msgspec.DecodeError:
-                continue
+        for i, seq, record in _valid_slots(self.fd, self._decoder):
             self._slot_seq[i] = seq
             if seq > best[0]:
                 best = (seq, record)
@@ -249,6 +235,44 @@ class StateFile(Generic[R]):
     def close(self) -> None:
         """Unmap and close (idempotent). Views handed out (`data`) must not be used after."""
         unmap(self, ("data", "_total", "_view"))
+
+
+def newest_record(fd: int) -> Record | None:
+    """The newest whole record in the slots of `fd`, read without mapping it and whatever
+    its fixed header says (a header an app or a bug overwrote leaves the records readable):
+    for a name to give a session whose file cannot be believed. None if there is none."""
+    best: tuple[int, Record | None] = (0, None)
+    for _, seq, record in _valid_slots(fd, _decoders[Record]):
+        if seq > best[0]:
+            best = (seq, record)
+    return best[1]
+
+
+def _valid_slots(fd: int, decoder: msgspec.msgpack.Decoder[R]) -> Iterator[tuple[int, int, R]]:
+    """(slot, sequence number, record) of every slot of `fd` holding a whole record."""
+    for i, (offset, size) in enumerate(_SLOTS):
+        # Read with pread, not through the mapping: a slot never written is a hole, and
+        # touching it through a shared mapping would allocate a page of memory (two per
+        # session, for the big slots) just to read zeros.
+        try:
+            head = os.pread(fd, _SLOT_HEAD.size, offset)
+        except OSError:
+            return
+        if len(head) < _SLOT_HEAD.size:
+            continue
+        seq, length, crc = _SLOT_HEAD.unpack(head)
+        if seq == 0 or length > size - _SLOT_HEAD.size:
+            continue
+        try:
+            payload = os.pread(fd, length, offset + _SLOT_HEAD.size)
+        except OSError:
+            return
+        if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
+            continue  # torn, or never finished
+        try:
+            yield i, seq, decoder.decode(payload)
+        except msgspec.DecodeError:
+            continue
 
 
 def _fixed_crc(head: bytes) -> int:

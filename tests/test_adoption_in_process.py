@@ -299,17 +299,30 @@ async def assert_refused(tmp_path: Path, name: str, fds: list[int], store: socke
     assert open_fds() == before, "a refused pair's fds were left open"
 
 
-async def test_a_state_file_of_another_session_is_refused(
+async def test_a_state_file_of_another_session_is_not_believed(
     pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
 ) -> None:
     """A master stored beside a state file that names another session's token (two pairs
-    mixed up in the store) is refused: adopted, it would come back under that other
-    session's name and with its replay, the wrong screen in the wrong tab."""
+    mixed up in the store) is not taken up under that other session's name, nor with its
+    replay (the wrong screen in the wrong tab). Nor is it closed (its shell would get
+    SIGHUP): a valid PTY master is a session, adopted with what can be proven, under a
+    name that says its record is lost, its replay marked lost from the start. It is stored
+    apart, under its own name, and the mixed-up group taken out of the store."""
     mine, theirs = pairs("mine"), pairs("theirs", b"their screen\r\n")
+    bystander = pairs("other")
     os.write(mine.slave, b"my output")
-    await assert_refused(tmp_path, mine.name, [os.dup(mine.master), os.dup(theirs.file.fd)],
-                         store, "its state file names another session", pairs("other"))
-    assert_unread(mine.master, b"my output", "the terminal's output")
+    stored = {mine.name: [os.dup(mine.master), os.dup(theirs.file.fd)],
+              bystander.name: bystander.stored()}
+    async with adopting(tmp_path, stored, store) as (report, holder):
+        live = holder.registry.live
+        assert (OWNER, "theirs") not in live, "adopted under the other session's name"
+        (lost,) = [s for s in live.values() if s.token != bystander.token]
+        assert lost.owner == "escrowd" and lost.id.startswith("lost-pts"), lost.name
+        assert b"their screen" not in lost.ring.contents(), "with the other session's replay"
+        assert lost.replay_gaps[:1] == [0] and lost.state == "draining"
+        assert terminal_identity(lost.fd) == terminal_identity(mine.master)
+        assert (report.adopted, report.without_record, report.refused) == (2, 1, 0)
+    assert mine.name in removals(store)
 
 
 @pytest.mark.parametrize("ended", ["handed_off", "released"])
@@ -340,28 +353,49 @@ async def test_a_stored_pty_slave_is_refused_never_drained(
 
 
 @pytest.mark.parametrize("newer_first", [True, False])
-async def test_of_two_deposits_under_one_name_the_newer_is_kept(
+async def test_of_two_deposits_under_one_name_both_stay(
     newer_first: bool, pairs: Callable[..., StoredPair], store: socket.socket,
     tmp_path: Path
 ) -> None:
-    """Two stored pairs under one owner and id (an app deposited the session again, and
-    the holder was killed before the older pair left the store): the newer deposit is the
-    live session, whatever the order the store passes them in; the older is taken out of
-    the store."""
+    """Two stored pairs under one owner and id, on two terminals (a record forged or
+    written wrong, or an app that deposited again): the newer deposit keeps the name,
+    whatever the order the store passes them in, and the older is not closed (its shell
+    would get SIGHUP) but renamed, both reported."""
     older = pairs("tab", b"the old screen\r\n", deposited_at=1000.0)
     newer = pairs("tab", b"the new screen\r\n", deposited_at=2000.0)
     stored = [(pair.name, pair.stored()) for pair in (older, newer)]
     before = open_fds() - {fd for _, fds in stored for fd in fds}
     async with adopting(tmp_path, dict(stored[::-1] if newer_first else stored),
                         store) as (report, holder):
-        assert list(holder.registry.live) == [(OWNER, "tab")]
         kept = holder.registry.live[(OWNER, "tab")]
-        assert kept.token == newer.token, "the older deposit was kept"
+        assert kept.token == newer.token, "the older deposit kept the name"
         assert kept.ring.contents() == b"the new screen\r\n"
         assert terminal_identity(kept.fd) == terminal_identity(newer.master)
-        assert report.adopted == 1
-        older_pair = (report.refused, removals(store))
-    # What becomes of the older pair, said once: refused, and taken out of the store.
-    assert older_pair == (1, [older.name]), "the older deposit was not refused and removed"
+        assert report.adopted == 2
+        # What becomes of the older pair, said once: renamed, kept, still stored.
+        renamed = holder.registry.live[(OWNER, f"tab.dup-{older.token[:8]}")]
+        assert renamed.ring.contents() == b"the old screen\r\n"
+        assert (report.renamed, report.refused, removals(store)) == (1, 0, [])
     # Every fd the holder was passed is closed, once it has let go of what it kept.
     assert open_fds() == before, "fds of a stored pair were left open"
+
+
+async def test_two_copies_of_one_terminal_are_one_session(
+    pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """A group stored again under a new name, and the old one whose removal a kill cut
+    off: two copies of one terminal. The one whose record is believed is the session; the
+    other copy is closed (the terminal stays open through the first: its shell gets no
+    SIGHUP) and taken out of the store."""
+    pair = pairs("tab", b"the screen\r\n")
+    spoilt = StateFile.create(Record, 1 << 20, "test")
+    try:
+        stray = session_name(uuid.uuid4().hex)
+        stored = {stray: [os.dup(pair.master), os.dup(spoilt.fd)], pair.name: pair.stored()}
+        async with adopting(tmp_path, stored, store) as (report, holder):
+            assert list(holder.registry.live) == [(OWNER, "tab")]
+            assert holder.registry.live[(OWNER, "tab")].ring.contents() == b"the screen\r\n"
+            assert report.refused == 1
+        assert stray in removals(store)
+    finally:
+        spoilt.close()

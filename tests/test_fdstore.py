@@ -24,6 +24,7 @@ from hostile import read_more_lines
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
 from escrow_client import EscrowClient, EscrowError, fdpass
+from escrowd.adoption import LOST_LABEL
 from escrowd.fdstore import STORE_DEADLINE
 
 TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
@@ -157,21 +158,25 @@ def test_a_deposit_is_answered_only_once_its_fds_are_stored(
         holder.stop()
 
 
-def test_corrupt_or_unpaired_state_is_closed_and_logged_and_the_rest_adopted(
+def test_a_spoilt_store_closes_no_terminal(
     socket_dir: Path, store: Store, pty_children: Callable[..., PtyChild],
 ) -> None:
     """A store spoilt four ways: a state file whose header fails its checksum, a master
-    without its state file, a state file without its master, and a name that is not ours.
-    Each is closed, logged (`adopt_refused`) and taken out of the store; the one good
-    session is adopted, drains on, and is retrieved whole."""
+    without its state file, a state file without its master, and a name that is not ours
+    (on /dev/null). Incident pinned: the first two masters were closed (their shells got
+    SIGHUP) and nothing said the sessions had existed. Now doubt never closes a terminal:
+    both are adopted with a fresh ring, listed under a name that says their record is lost
+    and their replay marked lost from its start, and they drain on (their shells live);
+    what is not a terminal is closed, logged (`adopt_refused`) and taken out of the store.
+    The good session is adopted as it was, and retrieved whole."""
     first = start(socket_dir / "a", store, [])
     kids = [pty_children(TICKER) for _ in range(4)]
     client = first.client()
     for n, kid in enumerate(kids):
         client.hand_off(f"tab-{n}", kid.master, child_pid=kid.pid)
+        os.close(kid.master)  # the store's copies (and the holder's) are the only ones
+        kid.master = -1
     store.take(timeout=5.0)
-    tokens = {info.id: info for info in client.list()}
-    assert set(tokens) == {f"tab-{n}" for n in range(4)}
     names = sorted(n for n in store.fds if n.startswith("session-"))
     assert len(names) == 4
     os.kill(first.pid, signal.SIGKILL)
@@ -193,22 +198,36 @@ def test_corrupt_or_unpaired_state_is_closed_and_logged_and_the_rest_adopted(
     passed += [("session-junk", junk)]
     second = start(socket_dir / "b", store, passed)
     os.close(junk)
+    # The store lets go of what it passed; the holder keeps (and stores) what it adopts.
+    for name in (spoilt, no_state, no_master):
+        fdpass.close_fds(store.fds.pop(name))
     try:
         refused = {line.split(" name=")[1].split()[0]: line
                    for line in second.log_lines("adopt_refused")}
-        assert set(refused) == {spoilt, no_state, "session-orphan", "session-junk"}, refused
-        assert "checksum" in refused[spoilt]
+        assert set(refused) == {"session-orphan", "session-junk"}, refused
         status = second.client("escrowctl").status()
-        assert status.adopted == 1 and status.unclean_restarts == 1
-        listed = {s.id: s.state for s in second.client().list()}
-        assert list(listed.values()) == ["draining"], listed
+        assert (status.adopted, status.adopted_without_record) == (3, 2)
+        assert status.unclean_restarts == 1
+        listed = second.client("escrowctl").list(all_owners=True)
+        lost = [s for s in listed if s.label == LOST_LABEL]
+        assert all(s.state == "draining" and s.replay_gaps[:1] == [0] for s in lost), lost
+        # The spoilt file's records are whole, past its header: the session keeps its name.
+        # The master stored alone has no name to keep: its name says its record is lost.
+        assert sorted(s.owner for s in lost) == ["com.example.term", "escrowd"], listed
+        assert [s.id[:8] for s in lost if s.owner == "escrowd"] == ["lost-pts"], listed
+        assert len([s for s in listed if s.owner == OWNER]) == 2, listed
         store.take(timeout=5.0)
         assert {spoilt, no_state, "session-orphan", "session-junk"} <= set(store.removed)
-        # Only the good pair's fds (and the holder's own state) are in the holder.
+        # The shell whose master the store lost hangs up; the three others live on.
+        wait_for(lambda: [kid.proc.poll() for kid in kids].count(None) == 3, 10.0,
+                 "one shell, and one only, to hang up")
         got = EscrowClient(OWNER, socket_path=second.socket).reclaim_all()
-        assert len(got.retrieved) == 1 and got.failed == {}
+        assert len(got.retrieved) == 2 and got.failed == {}
         for r in got.retrieved.values():
             os.close(r.fd)
+        for info in lost:
+            if info.owner == "escrowd":
+                second.client("escrowd").release(info.id)
     finally:
         second.stop()
 
