@@ -70,6 +70,9 @@ def _layout_doubt(record: Record, file_size: int, total: int) -> str | None:
         return "the ring's layout does not fit its capacity"
     if not 0 <= record.total_at_layout <= total < MAX_TOTAL:
         return f"the ring's counter ({total}) is behind its layout or out of bounds"
+    if record.length_at_layout + total - record.total_at_layout > cap and not record.saturated:
+        # A ring holds more than its capacity only by overwriting, which it says first.
+        return f"the ring's counter ({total}) runs past what its layout could hold"
     if not (0 <= record.consumed <= total and 0 <= record.dropped_base <= total):
         return "the ring's delivery counters are out of bounds"
     if record.journal_from is not None and not 0 <= record.journal_from <= total:
