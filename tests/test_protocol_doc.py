@@ -140,12 +140,12 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
     "handoff_journal": ("14.7", protocol.Handoff(
         handoff_id=HANDOFF_ID_2, session=_TAB_3, replay=b"$ make\r\ndone\r\n$ ",
         dropped_bytes=0, replay_trimmed=0, replay_journaled=8,
-        journal=protocol.Journal(capacity=RING_BYTES, total=16, position=16),
+        journal=protocol.Journal(capacity=RING_BYTES, total=0, position=0),
     )),
     "handoff_journal_2": ("14.7", protocol.Handoff(
         handoff_id=HANDOFF_ID_3, session=_TAB_4, replay=b"db1$ ", dropped_bytes=0,
         replay_trimmed=0, replay_journaled=0,
-        journal=protocol.Journal(capacity=RING_BYTES, total=5, position=5),
+        journal=protocol.Journal(capacity=RING_BYTES, total=0, position=0),
     )),
     "ack_many": ("14.7", protocol.AckMany(acks={"tab-3": HANDOFF_ID_2, "tab-4": HANDOFF_ID_3},
                                           keep=True)),
@@ -497,19 +497,20 @@ def test_the_example_handoff_keeps_its_promises(name: str) -> None:
     assert handoff.session.state in ("draining", "exited")
 
 
-def test_the_example_journals_agree() -> None:
-    """Section 14.6-14.7: the journal granted at deposit and the one in the handoff describe
-    the same ring: the byte numbered `total` goes at (position + total - journal.total) mod
-    capacity, and the replay's newest byte is the one before `total`."""
+def test_the_example_journals_are_fresh_journal_files() -> None:
+    """Section 14.6-14.7: every journal granted (at the deposit, and with each handoff into
+    custody) is a fresh journal file's: a ring of the default size whose `total` is 0, the
+    byte numbered 0 at data[0]; what the app recorded before its crash comes back at the
+    start of the replay, counted in `replay_journaled`."""
     deposited = message("deposited_journal")
-    handoff = message("handoff_journal")
-    assert isinstance(deposited, protocol.Deposited) and deposited.journal is not None
-    assert isinstance(handoff, protocol.Handoff) and handoff.journal is not None
-    first, then = deposited.journal, handoff.journal
-    assert first.capacity == then.capacity == RING_BYTES
-    assert then.position == (first.position + then.total - first.total) % first.capacity
-    assert then.total == handoff.session.dropped_bytes + handoff.replay_trimmed + len(
-        handoff.replay)
+    tab_3, tab_4 = message("handoff_journal"), message("handoff_journal_2")
+    assert isinstance(deposited, protocol.Deposited)
+    assert isinstance(tab_3, protocol.Handoff) and isinstance(tab_4, protocol.Handoff)
+    fresh = protocol.Journal(capacity=RING_BYTES, total=0, position=0)
+    assert deposited.journal == tab_3.journal == tab_4.journal == fresh
+    recorded = b"$ make\r\n"  # what the app recorded into the journal of 14.6
+    assert tab_3.replay.startswith(recorded) and tab_3.replay_journaled == len(recorded)
+    assert tab_4.replay_journaled == 0  # deposited without a journal
 
 
 def test_the_example_retrieve_many_is_answered_once_per_id() -> None:
