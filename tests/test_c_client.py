@@ -724,16 +724,16 @@ JOURNAL = protocol.Journal(capacity=1 << 20, total=5, position=5)
 
 
 @pytest.mark.parametrize(("journal", "fds", "refused"), [
-    (True, 1, None),  # a state file with its journal: closed, the deposit stands
+    (True, 1, None),  # a journal file with its journal: closed, the deposit stands
     (True, 0, "a deposited frame came with 0 fds, not 1"),  # a journal without its file
     (False, 1, "a deposited frame came with 1 fds, not 0"),  # a file without a journal
 ])
-def test_a_deposited_counts_its_state_file_from_its_journal(
+def test_a_deposited_counts_its_journal_file_from_its_journal(
     build: Build, fake: Callable[..., FakeHolder], journal: bool, fds: int,
     refused: str | None,
 ) -> None:
     """The C client asks for no journal, but counts a deposited's fds from the message
-    (PROTOCOL.md section 4). A state file that comes with a journal (a holder resuming a
+    (PROTOCOL.md section 4). A journal file that comes with a journal (a holder resuming a
     session that journals, 10.4) is closed: the C API never writes one. A count that
     disagrees with `journal` is a bad frame, every fd of it closed (the driver fails on an
     fd left open)."""
@@ -741,7 +741,7 @@ def test_a_deposited_counts_its_state_file_from_its_journal(
         greet(conn)
         request = read(conn)
         assert isinstance(request, protocol.Deposit) and request.journal is False
-        r, w = os.pipe()  # the "state file"
+        r, w = os.pipe()  # the "journal file"
         try:
             send(conn, protocol.Deposited(id=request.id, journal=JOURNAL if journal else None),
                  fd=[r][:fds])
@@ -765,17 +765,17 @@ def test_a_deposited_counts_its_state_file_from_its_journal(
 
 
 @pytest.mark.parametrize(("journal", "fds", "refused"), [
-    (True, 2, None),  # the master, then the state file: the file is closed, the master kept
+    (True, 2, None),  # the master, then the journal file: the file is closed, the master kept
     (True, 1, "a handoff frame came with 1 fds, not 2"),  # a journal without its file
     (False, 2, "a handoff frame came with 2 fds, not 1"),  # a second fd without a journal
 ])
-def test_a_handoff_counts_its_state_file_from_its_journal(
+def test_a_handoff_counts_its_journal_file_from_its_journal(
     build: Build, fake: Callable[..., FakeHolder], pty_children: Callable[..., PtyChild],
     journal: bool, fds: int, refused: str | None,
 ) -> None:
-    """A handoff carries the master, and a state file after it when `journal` is set
+    """A handoff carries the master, and a journal file after it when `journal` is set
     (PROTOCOL.md sections 4 and 12.6). The C retrieve asks for neither keep nor journal, so
-    it closes a state file that comes anyway and acks the master; a count that disagrees
+    it closes a journal file that comes anyway and acks the master; a count that disagrees
     with `journal` is a bad frame, never acked."""
     child = pty_children(["sh", "-c", "sleep 30"])
 
@@ -784,7 +784,7 @@ def test_a_handoff_counts_its_state_file_from_its_journal(
         assert read(conn) == protocol.Retrieve(id="s")
         info = protocol.SessionInfo(owner=OWNER, id="s", state="draining", handoff_id="h-1",
                                     buffered_bytes=3)
-        r, w = os.pipe()  # the "state file"
+        r, w = os.pipe()  # the "journal file"
         try:
             send(conn, protocol.Handoff(handoff_id="h-1", session=info, replay=b"R\r\n",
                                         replay_journaled=2, journal=JOURNAL if journal else None),
@@ -910,7 +910,7 @@ def test_the_c_macros_build_the_documented_control_message(build: Build) -> None
     layout = run_c(build, None, "cmsg").json()
     blocks = dict(doc_blocks(doc_text(), "cmsg"))
     assert bytes.fromhex(layout["bytes"]) == hex_bytes(blocks["linux-64"])
-    # A handoff with a journal: the master (7), then the state file (9), in one message.
+    # A handoff with a journal: the master (7), then the journal file (9), in one message.
     assert bytes.fromhex(layout["bytes_two"]) == hex_bytes(blocks["linux-64-two"])
     assert (layout["cmsg_len_4"], layout["cmsg_space_4"], layout["cmsg_space_32"]) == (
         20, 24, 48)

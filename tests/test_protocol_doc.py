@@ -22,9 +22,9 @@ to. These tests check, for every example below, that:
 
 and that section 7's table lists every field of every message with the type, default and
 limit `client/protocol.py` gives it, that the fds each message carries are the code's, that
-the states and error codes the document lists are the code's, that the state file's header
-shown in section 10.6 is the holder's, and that the Linux constants of section 13 and the
-control-message layouts of section 4.4 are this system's.
+the states and error codes the document lists are the code's, that the journal file's
+header shown in section 10.6 is the one the holder makes, and that the Linux constants of
+section 13 and the control-message layouts of section 4.4 are this system's.
 
 After a protocol change, regenerate the blocks and the vectors:
 
@@ -140,12 +140,12 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
     "handoff_journal": ("14.7", protocol.Handoff(
         handoff_id=HANDOFF_ID_2, session=_TAB_3, replay=b"$ make\r\ndone\r\n$ ",
         dropped_bytes=0, replay_trimmed=0, replay_journaled=8,
-        journal=protocol.Journal(capacity=RING_BYTES, total=16, position=16),
+        journal=protocol.Journal(capacity=RING_BYTES, total=0, position=0),
     )),
     "handoff_journal_2": ("14.7", protocol.Handoff(
         handoff_id=HANDOFF_ID_3, session=_TAB_4, replay=b"db1$ ", dropped_bytes=0,
         replay_trimmed=0, replay_journaled=0,
-        journal=protocol.Journal(capacity=RING_BYTES, total=5, position=5),
+        journal=protocol.Journal(capacity=RING_BYTES, total=0, position=0),
     )),
     "ack_many": ("14.7", protocol.AckMany(acks={"tab-3": HANDOFF_ID_2, "tab-4": HANDOFF_ID_3},
                                           keep=True)),
@@ -163,7 +163,7 @@ def is_request(msg: protocol.Message) -> bool:
     return isinstance(msg, typing.get_args(protocol.Request))
 
 
-_BLOCK = re.compile(r"^<!-- (?P<kind>frame|cmsg|statefile): (?P<name>[a-z0-9_-]+) -->\n```hex\n"
+_BLOCK = re.compile(r"^<!-- (?P<kind>frame|cmsg|journal): (?P<name>[a-z0-9_-]+) -->\n```hex\n"
                     r"(?P<body>.*?)^```$", re.M | re.S)
 
 
@@ -460,7 +460,7 @@ def test_the_annotations_describe_these_bytes(blocks: dict[str, str], name: str)
 
 def test_the_frames_shown_with_fds() -> None:
     """Section 14 shows every way a message carries fds: a deposit's master, a handoff's
-    master (and state file, with a journal), a deposited's state file (with a journal)."""
+    master (and journal file, with a journal), a deposited's journal file (with a journal)."""
     carriers = {n: protocol.fds_carried(m) for n, (_, m) in EXAMPLES.items()
                 if protocol.fds_carried(m)}
     assert carriers == {"handoff": 1, "deposit": 1, "deposit_journal": 1,
@@ -497,19 +497,20 @@ def test_the_example_handoff_keeps_its_promises(name: str) -> None:
     assert handoff.session.state in ("draining", "exited")
 
 
-def test_the_example_journals_agree() -> None:
-    """Section 14.6-14.7: the journal granted at deposit and the one in the handoff describe
-    the same ring: the byte numbered `total` goes at (position + total - journal.total) mod
-    capacity, and the replay's newest byte is the one before `total`."""
+def test_the_example_journals_are_fresh_journal_files() -> None:
+    """Section 14.6-14.7: every journal granted (at the deposit, and with each handoff into
+    custody) is a fresh journal file's: a ring of the default size whose `total` is 0, the
+    byte numbered 0 at data[0]; what the app recorded before its crash comes back at the
+    start of the replay, counted in `replay_journaled`."""
     deposited = message("deposited_journal")
-    handoff = message("handoff_journal")
-    assert isinstance(deposited, protocol.Deposited) and deposited.journal is not None
-    assert isinstance(handoff, protocol.Handoff) and handoff.journal is not None
-    first, then = deposited.journal, handoff.journal
-    assert first.capacity == then.capacity == RING_BYTES
-    assert then.position == (first.position + then.total - first.total) % first.capacity
-    assert then.total == handoff.session.dropped_bytes + handoff.replay_trimmed + len(
-        handoff.replay)
+    tab_3, tab_4 = message("handoff_journal"), message("handoff_journal_2")
+    assert isinstance(deposited, protocol.Deposited)
+    assert isinstance(tab_3, protocol.Handoff) and isinstance(tab_4, protocol.Handoff)
+    fresh = protocol.Journal(capacity=RING_BYTES, total=0, position=0)
+    assert deposited.journal == tab_3.journal == tab_4.journal == fresh
+    recorded = b"$ make\r\n"  # what the app recorded into the journal of 14.6
+    assert tab_3.replay.startswith(recorded) and tab_3.replay_journaled == len(recorded)
+    assert tab_4.replay_journaled == 0  # deposited without a journal
 
 
 def test_the_example_retrieve_many_is_answered_once_per_id() -> None:
@@ -738,33 +739,58 @@ def test_the_batch_limit_is_the_codes() -> None:
     assert "1 to 4096 distinct ids" in doc_section(doc_text(), "12.7")
 
 
-# --- section 10.6: the journal's state file ----------------------------------------------------
+# --- section 10.6: the journal file --------------------------------------------------------------
 
 
-def test_the_state_file_header_is_the_holders() -> None:
-    """The header listing of section 10.6 is the first 56 bytes of a state file the holder
-    makes for a ring of the default size, and its offsets and checksum are as described."""
+def test_the_journal_file_header_is_the_holders() -> None:
+    """The header listing of section 10.6 is the first 56 bytes of a journal file the holder
+    makes for a ring of the default size, the rest of its first page is zeros, and its
+    offsets, sizes and checksum are as described: the layout escrow_client.journal reads."""
     import zlib
 
     from escrow_client import journal
-    from escrowd.statefile import DATA_OFFSET, Record, StateFile
+    from escrowd.journal import JournalFile
+    from escrowd.ring import RingBudget
 
-    shown = hex_bytes(dict(doc_blocks(doc_text(), "statefile"))["header"])
-    state = StateFile.create(Record, Config(socket_path="").ring_bytes, "doc")
+    shown = hex_bytes(dict(doc_blocks(doc_text(), "journal"))["header"])
+    file = JournalFile.create(Config(socket_path="").ring_bytes, RingBudget(1 << 30))
     try:
-        head = os.pread(state.fd, 8 * journal.COUNTERS + journal.TOTAL_OFFSET, 0)
+        page = os.pread(file.fd, journal.DATA_OFFSET, 0)
+        size = os.fstat(file.fd).st_size
     finally:
-        state.close()
+        file.close()
+    head = page[: journal.TOTAL_OFFSET + 8 * journal.COUNTERS]
     assert shown == head
-    magic, version, crc, data_offset, size = journal.FIXED.unpack_from(head)
+    assert page[len(head):] == bytes(journal.DATA_OFFSET - len(head))  # unused: zeros
+    magic, version, crc, data_offset, data_size = journal.FIXED.unpack_from(head)
     assert (magic, version, journal.FIXED.size, journal.TOTAL_OFFSET) == (
-        b"ESCROWSF", journal.LAYOUT_VERSION, 32, 32)
-    assert (data_offset, size) == (DATA_OFFSET, RING_BYTES)
+        b"ESCROWJL", journal.LAYOUT_VERSION, 32, 32)
+    assert (magic, version) == (journal.MAGIC, 2)
+    assert (data_offset, data_size, size) == (
+        journal.DATA_OFFSET, RING_BYTES, journal.DATA_OFFSET + RING_BYTES)
     assert crc == zlib.crc32(head[16:32], zlib.crc32(head[:12]))
-    assert struct.unpack_from("=QQ", head, journal.TOTAL_OFFSET) == (0, 0)  # total, writing
+    assert struct.unpack_from("=QQQ", head, journal.TOTAL_OFFSET) == (0, 0, 0)  # a fresh one
     section = doc_section(doc_text(), "10.6")
     assert f"{journal.MAX_WRITE} bytes" in section and journal.MAX_WRITE == 8192
-    assert f"`{DATA_OFFSET}`" in section
+    assert f"`{journal.DATA_OFFSET}`" in section and journal.DATA_OFFSET == 4096
+    assert f"`{journal.MAGIC.decode()}` and the layout version `{version}`" in section
+    assert f"{size:,} bytes long".replace(",", " ") in section.replace("\n", " ")
+    # The header table: each field at the offset and with the size the code reads it.
+    rows = {cells[2]: (int(cells[0]) if cells[0].isdigit() else cells[0], cells[1])
+            for cells in table_rows(section) if cells[0] != "offset"}
+    fixed = {"magic": "8s", "layout version, u32": "I", "checksum, u32": "I",
+             "data offset, u64": "Q", "data size, u64": "Q"}
+    assert "=" + "".join(fixed.values()) == journal.FIXED.format
+    expected: dict[str, tuple[int | str, str]] = {}
+    for name, code in fixed.items():
+        at = struct.calcsize("=" + "".join(list(fixed.values())[: len(expected)]))
+        expected[name] = (at, str(struct.calcsize("=" + code)))
+    for i, name in enumerate(("total", "writing", "reading")[: journal.COUNTERS]):
+        expected[f"`{name}`, u64"] = (journal.TOTAL_OFFSET + 8 * i, "8")
+    end = journal.TOTAL_OFFSET + 8 * journal.COUNTERS
+    expected[""] = (end, str(journal.DATA_OFFSET - end))
+    expected["`data`"] = (journal.DATA_OFFSET, "data size")
+    assert rows == expected
 
 
 # --- section 13 and 4.4: this system's constants ------------------------------------------------
@@ -814,7 +840,7 @@ def test_the_linux_control_message_layout_is_this_systems() -> None:
 
 @pytest.mark.skipif(not _LINUX_64, reason="the layout shown is 64-bit Linux's")
 def test_the_linux_two_fd_control_message_is_this_systems() -> None:
-    """A handoff with a journal: the master, then the state file, in one control message."""
+    """A handoff with a journal: the master, then the journal file, in one control message."""
     shown = hex_bytes(dict(doc_blocks(doc_text(), "cmsg"))["linux-64-two"])
     assert (socket.CMSG_LEN(8), socket.CMSG_SPACE(8)) == (24, 24)
     header = struct.pack("=QiI", socket.CMSG_LEN(8), socket.SOL_SOCKET, socket.SCM_RIGHTS)

@@ -931,7 +931,7 @@ static int has_journal(const frame *f) {
 }
 
 /* How many fds a holder's message comes with (section 4): the master of a handoff, and the
- * state file of a granted journal (a handoff's second fd, a deposited's only one). A journal
+ * journal file of a granted journal (a handoff's second fd, a deposited's only one). A journal
  * of the wrong shape is counted as set; the frame then fails to decode. */
 static size_t fds_carried(const frame *f) {
     if (strcmp(f->type, "handoff") == 0) return 1 + (size_t)has_journal(f);
@@ -1119,7 +1119,7 @@ static int rd_replay(mp_in *in, escrow_retrieved *r) {
 }
 
 /* A Journal (section 10.6) | nil: where an app that journals writes. The API asks for none,
- * so it only reads one (and closes the state file that comes with it). */
+ * so it only reads one (and closes the journal file that comes with it). */
 typedef struct journal_info {
     int set; /* 0: nil */
     int64_t capacity, total, position;
@@ -1462,7 +1462,7 @@ escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
     journal_info journal;
     if (decode_deposited(&f, got, &journal) != 0)
         rc = fail(err, ESCROW_PROTOCOL, 0, id, "a malformed deposited");
-    /* A state file comes only with a journal, which this client never asks for; the one a
+    /* A journal file comes only with a journal, which this client never asks for; the one a
      * holder may still send (resuming a session that journals, section 10.4) is closed
      * with the frame: this client never writes a journal. */
     frame_free(&f);
@@ -1704,8 +1704,9 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
         conn_close(&cn);
         return fail(err, ESCROW_PROTOCOL, 0, id, "the holder sent a malformed handoff");
     }
-    /* The master is the first fd (section 4.3). A second, the state file of a journal, comes
-     * only to a retrieve with keep and journal, which this one is not: frame_free closes it. */
+    /* The master is the first fd (section 4.3). A second, the journal file of a journal,
+     * comes only to a retrieve with keep and journal, which this one is not: frame_free
+     * closes it. */
     out->fd = f.fds[0];
     f.fds[0] = f.fds[--f.nfds]; /* the master is out's now; the rest stay the frame's */
     frame_free(&f);

@@ -8,7 +8,7 @@
  *   inside it), and never blocks past it (poll, on non-blocking sockets);
  * - closes every fd it opened or received, on every path, except the fds it hands to the
  *   caller (escrow_retrieved.fd), and never closes the caller's fds. It never asks for a
- *   journal (PROTOCOL.md 10.6), so it takes no state file: one that comes anyway is closed;
+ *   journal (PROTOCOL.md 10.6), so it takes no journal file: one that comes anyway is closed;
  * - returns an escrow_code, and fills `err` (when not NULL) with the code's name, a message
  *   and the session id the error is about.
  * Nothing here is thread-safe beyond this: different escrow_custody objects may be used from
