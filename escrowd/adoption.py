@@ -303,6 +303,14 @@ def _as_recorded(holder: Holder, master: int, state: StateFile[Record], record: 
                               _journal(holder, record, journals.pop(record.token, [])))
     if in_flight:
         session.gap_totals.append(ring.total)  # one read's bytes may be missing after here
+    if session.journal_from is not None and session.journal is None:
+        # Its app journals, and the store did not keep the journal: what it recorded is
+        # missing here (and a copy of it cut short left bytes that cannot be told whole).
+        # A resume starts a journal afresh.
+        if session.journal_copying:
+            ring.restart(session.journal_from)
+        session.gap_totals.append(ring.total)
+        session.journal_from, session.journal_copying = None, False
     session.log("adopted", state=record.state, buffered=ring.size, unclean=not record.clean,
                 trimmed=trimmed or None, replay_gap_at=session.replay_gap_at)
     return session

@@ -43,7 +43,7 @@ import trio.testing
 from escrow_client.platform import terminal_identity
 from escrowd.adoption import Adoption, adopt
 from escrowd.config import Config
-from escrowd.fdstore import HOLDER_NAME, FdStore, session_name
+from escrowd.fdstore import HOLDER_NAME, FdStore, journal_name, session_name
 from escrowd.server import Holder
 from escrowd.statefile import HolderRecord, Record, StateFile
 
@@ -399,3 +399,27 @@ async def test_two_copies_of_one_terminal_are_one_session(
         assert stray in removals(store)
     finally:
         spoilt.close()
+
+
+@pytest.mark.parametrize("kept", ["nothing", "a file of another size"])
+async def test_a_journal_the_store_did_not_keep_is_a_gap(
+    kept: str, pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """An app journaled a held session, and the next holder finds no journal file it can
+    take (the store did not keep it, or kept something else under its name): what the app
+    recorded is missing, and the replay says where, rather than running on as if seamless.
+    A resume of the journal starts afresh."""
+    pair = pairs("tab", state="held", custodian_pid=os.getpid(), journal_from=len(REPLAY),
+                 journal_capacity=16 * 1024)
+    stored = {pair.name: pair.stored()}
+    if kept != "nothing":
+        other = os.memfd_create("not-a-journal")
+        os.ftruncate(other, 100)
+        stored[journal_name(pair.token)] = [other]
+    async with adopting(tmp_path, stored, store) as (report, holder):
+        session = holder.registry.live[(OWNER, "tab")]
+        assert session.journal is None and session.journal_from is None
+        assert session.replay_gaps == [len(REPLAY)], "no gap where the journal was lost"
+        assert session.ring.contents() == REPLAY
+    if kept != "nothing":
+        assert journal_name(pair.token) in removals(store)

@@ -342,3 +342,29 @@ def test_a_read_cut_short_on_its_way_into_the_ring_stays_marked(
     journal.end(session)
     assert session.ring.contents() == b"later"
     assert session.replay_gaps == [len(b"later")]
+
+
+def test_a_copy_a_kill_cut_short_is_made_again_from_an_empty_ring(session: Session) -> None:
+    """A holder killed in the middle of copying the journal into the ring (the record
+    says `journal_copying`) left bytes of it in place, some counted, some maybe not, over
+    the ring's oldest ones: the next holder cannot tell which of the ring's bytes are
+    whole. It empties the ring where the copy began, marks the gap there, and copies the
+    whole journal again: every byte the app recorded, once, and nothing torn."""
+    r, w = os.pipe()
+    try:
+        os.write(w, DRAINED)
+        session.ring.read_from(r, len(DRAINED), overwrite=True)
+    finally:
+        os.close(r)
+        os.close(w)
+    writer = writer_for(session)
+    recorded = b"".join(f"rec {i:04d}\n".encode() for i in range(500))  # 5,000 bytes
+    writer.record(recorded)
+    writer.close()
+    # The copy as a killed holder left it: begun, a part of it in place and counted.
+    session.journal_copying = True
+    session.ring.append(memoryview(recorded[:3000]))
+    journal.end(session)
+    assert session.ring.contents() == recorded
+    assert session.replay_gaps == [0], "no gap where the ring's bytes could not be told"
+    assert not session.journal_copying and session.journal is None
