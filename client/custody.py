@@ -70,6 +70,7 @@ class _Kept:
     deposit: protocol.Deposit
     fd: int
     journal: JournalWriter | None = None
+    pending: bool = False  # sent, never answered: escrowed or not, it is not known yet
 
     def close(self) -> None:
         if self.journal is not None:
@@ -120,9 +121,18 @@ class Custody:
         kept = _Kept(message, os.dup(fd))  # close-on-exec, as every fd Python makes
         try:
             with self._lock:
-                reply, fds = self._call(message, fd)
+                self._usable_channel()
+                try:
+                    reply, fds = self._call(message, fd)
+                except (errors.HolderUnavailable, errors.HolderUnresponsive,
+                        errors.ProtocolViolation) as exc:
+                    if not _maybe_received(exc) or session_id in self._kept:
+                        raise
+                    self._keep_pending(kept, exc)  # (raises DepositIndeterminate)
                 self._set_journal(kept, reply, fds)
                 self._kept[session_id] = kept
+        except errors.DepositIndeterminate:
+            raise
         except BaseException:
             kept.close()
             raise
@@ -205,7 +215,8 @@ class Custody:
 
     def release(self, session_id: str) -> None:
         """The user closed the session: the holder drops its copy. (Whatever the holder
-        answers, this custody never gives it again.)"""
+        answers, this custody never gives it again: a session whose deposit is not known
+        to have arrived is given up too, and released wherever it did arrive.)"""
         with self._lock:
             kept = self._kept.pop(session_id, None)
             try:
@@ -217,8 +228,13 @@ class Custody:
     @property
     def protected(self) -> bool:
         """True only while every session deposited here is escrowed right now (the holder
-        that holds them is connected to this custody)."""
+        that holds them is connected to this custody, and no deposit is indeterminate)."""
         return self._protected
+
+    def pending(self) -> set[str]:
+        """Sessions whose deposit was never answered (DepositIndeterminate), not settled
+        yet."""
+        return {sid for sid, kept in self._kept.items() if kept.pending}
 
     def on_change(self, callback: Callable[[bool], None]) -> None:
         """Call `callback(protected)` from the watcher thread each time protection lapses
@@ -331,6 +347,53 @@ class Custody:
                 except errors.EscrowError:
                     pass  # not protected now; the watcher deposits it when it reconnects
 
+    def _keep_pending(self, kept: _Kept, cause: errors.EscrowError) -> None:
+        """A deposit that may or may not have arrived: keep the copy, say protection is
+        lapsed, have the watcher settle it, and tell the app so."""
+        kept.pending = True
+        self._kept[kept.deposit.id] = kept
+        self._set_protected(False)
+        if isinstance(cause, errors.HolderUnresponsive):
+            self._wake(b"s")  # the connection may still be good: settle on it
+        raise errors.DepositIndeterminate(
+            f"the deposit of {kept.deposit.id} got no answer ({cause}): whether the holder "
+            "has it is not known. This custody keeps its copy of the master and settles it "
+            "(takes it back, or deposits it again) as soon as it reaches a holder; "
+            "`protected` is False until then, and release() gives it up.",
+            kept.deposit.id, cause=cause)
+
+    def _settle(self, deadline: Deadline) -> None:
+        """Deposits never answered, on a connection that is still good: the holder's list
+        says whether each arrived (held by this process: it did); one that did not is
+        deposited again. Any doubt left stays pending, for the next try."""
+        with self._lock:
+            pending = {sid: k for sid, k in self._kept.items() if k.pending}
+            if not pending or self._channel is None:
+                return
+            try:
+                with self._client._channel(deadline) as asking:
+                    reply, _ = asking.call(protocol.List(), deadline)
+                assert isinstance(reply, protocol.Sessions)
+                listed = {s.id: s for s in reply.sessions}
+            except errors.EscrowError:
+                return
+            for sid, kept in pending.items():
+                info = listed.get(sid)
+                if info is not None and info.state == "held" and (
+                        info.custodian_pid == os.getpid()):
+                    kept.pending = False  # it arrived (held here, on this connection)
+                    continue
+                if info is not None and info.state not in protocol.TOMBSTONE_STATES:
+                    continue  # someone else's now, or changing: not ours to say yet
+                try:
+                    reply, fds = self._call(kept.deposit, kept.fd)
+                except errors.EscrowError:
+                    return
+                self._set_journal(kept, reply, fds)
+                kept.pending = False
+        if not self.pending():
+            self._set_protected(True)
+
     def _wake(self, why: bytes) -> None:
         try:
             os.write(self._wake_w, why)
@@ -409,6 +472,7 @@ class Custody:
                         kept.journal.close()
                         kept.journal = None
                     continue
+                kept.pending = False  # deposited, or resumed: settled
                 if self._closing:
                     close_fds(fds)  # close() stopped the journals: they stay stopped
                 else:
@@ -421,6 +485,8 @@ class Custody:
     # --- the watcher -----------------------------------------------------------------------------
 
     def _set_protected(self, protected: bool) -> None:
+        if protected and any(kept.pending for kept in self._kept.values()):
+            return  # a deposit is not settled: not protected, whatever else is
         if protected == self._protected or (protected and self._closing):
             return
         self._protected = protected
@@ -456,6 +522,16 @@ class Custody:
         _open.discard(self)
 
 
+def _maybe_received(exc: errors.EscrowError) -> bool:
+    """Whether a request that failed this way may have reached the holder: sent, then the
+    connection dropped, the deadline passed, or the answer made no sense."""
+    if isinstance(exc, errors.HolderUnavailable):
+        return exc.dropped
+    if isinstance(exc, errors.HolderUnresponsive):
+        return exc.timed_out
+    return True
+
+
 def _read_marker(channel: Channel | None) -> bool:
     """Whether the holder on `channel` reads a journal's `reading` mark (section 10.6)."""
     return channel is not None and "journal_reading" in channel.welcome.features
@@ -483,11 +559,17 @@ def _watch(ref: weakref.ref[Custody]) -> None:
         if channel is not None:
             poller.register(channel.sock.fileno(), PEER_HUNG_UP)
         events = dict(poller.poll())
-        if wake in events and b"x" in os.read(wake, 64):
+        woken = os.read(wake, 64) if wake in events else b""
+        if b"x" in woken:
             return
         custody = ref()
         if custody is None or custody._closing:
             return
+        if woken == b"s" * len(woken) and not events.keys() - {wake}:
+            # Only a deposit to settle, on a connection that has not hung up.
+            custody._settle(Deadline(custody._client.timeout))
+            del custody
+            continue
         with custody._lock:
             if custody._closing:
                 return

@@ -90,6 +90,20 @@ class HolderUnavailable(EscrowError):
         self.dropped = dropped
 
 
+class DepositIndeterminate(EscrowError):
+    """A deposit went out and no answer came (the holder went away, or did not answer in
+    time): whether the session is escrowed is not known. Custody keeps its copy of the
+    master and settles it when it reaches a holder again (`protected` is False until
+    then); `release` gives it up. `cause` is what the call raised."""
+
+    code = "indeterminate"
+
+    def __init__(self, message: str, session_id: str | None = None, *,
+                 cause: EscrowError | None = None) -> None:
+        super().__init__(message, session_id)
+        self.cause = cause
+
+
 class HolderUnresponsive(EscrowError):
     """`timed_out` is True only where a deadline really passed waiting for the holder (one
     timeout paid); False where the call failed fast (the circuit breaker was open, or there

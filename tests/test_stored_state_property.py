@@ -1,0 +1,158 @@
+"""Whatever is written into a holder's state files, the next holder serves (DESIGN §11,
+Adoption), as a property over a real keeper with ten stored sessions.
+
+Each example: ten sessions are handed off (a shell each that printed one line, drained);
+some state files get arbitrary bytes (header, record slots or ring), some an arbitrary
+record with a correct CRC (any field, any value, any type), some a hot counter set to
+anything, the rest are left intact; the serving holder is SIGKILLed. Then, always:
+- the keeper started exactly one holder for the kill (no crash loop), and it answers
+  `list` for every owner;
+- every terminal is still a session (ten live sessions, every shell alive: no master was
+  closed);
+- every intact session is there as it was: not marked as adopted without its record, its
+  line still in its replay;
+- every damaged one whose record could not be believed says so (its label, and a replay
+  marked lost from the start).
+
+The suite runs a short version; `ESCROW_PROPERTY_EXAMPLES=2000` runs the long one (about a
+second an example).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from statefiles import forge, record_of, scribble, set_total, state_files
+from test_untrusted_state import kill_and_wait, live
+
+from conftest import HolderProcess, PtyChild, spawn_in_pty, wait_for
+from escrow_client import EscrowClient, EscrowError
+from escrowd.adoption import LOST_LABEL
+from escrowd.statefile import BIG_SLOT, PAGE
+
+SESSIONS = 10
+EXAMPLES = int(os.environ.get("ESCROW_PROPERTY_EXAMPLES", "6"))
+OWNER = "com.example.prop"
+
+_ANY_INT = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.integers(-3, 70000),
+                     st.sampled_from([0, 1, 1 << 31, 1 << 40, 1 << 61, 1 << 62, 4194304]))
+_ANY = st.one_of(_ANY_INT, st.none(), st.booleans(), st.text(max_size=40),
+                 st.floats(allow_nan=True), st.lists(_ANY_INT, max_size=4),
+                 st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3))
+_FIELDS = ["token", "owner", "id", "label", "child_pid", "child_start_time", "cols", "rows",
+           "meta", "state", "deposited_at", "state_since", "custodian_pid",
+           "custodian_start_time", "handoff_id", "handoff_peer_pid", "saved_flags",
+           "capacity", "origin", "total_at_layout", "length_at_layout", "saturated",
+           "consumed", "dropped_base", "journal_from", "journal_capacity", "journal_copying",
+           "journal_ranges", "gap_totals", "record_lost", "instance", "clean"]
+_STATES = st.sampled_from(["held", "draining", "handing_off", "exited", "handed_off",
+                           "released", "expired", "bogus", ""])
+_FIELD_VALUE = {"state": st.one_of(_STATES, _ANY),
+                "meta": st.one_of(_ANY, st.just({f"k{i}": "v" * 1000 for i in range(32)}))}
+
+DAMAGE = st.one_of(
+    st.just(("intact",)),
+    st.tuples(st.just("bytes"),
+              st.one_of(st.integers(0, PAGE - 1), st.integers(PAGE, PAGE + 2 * BIG_SLOT),
+                        st.integers(0, 1 << 20)),
+              st.binary(min_size=1, max_size=300)),
+    st.tuples(st.just("record"), st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=5,
+                                          unique=True).flatmap(
+        lambda names: st.fixed_dictionaries(
+            {n: _FIELD_VALUE.get(n, _ANY) for n in names}))),
+    st.tuples(st.just("total"), _ANY_INT.filter(lambda n: 0 <= n < 1 << 64)),
+)
+
+
+def _damage(path: str, how: tuple[object, ...]) -> bool:
+    """Apply one damage; False if it could not be written at all (left intact)."""
+    kind = how[0]
+    if kind == "bytes":
+        offset, data = how[1], how[2]
+        assert isinstance(offset, int) and isinstance(data, bytes)
+        scribble(path, offset, data)
+    elif kind == "record":
+        fields = how[1]
+        assert isinstance(fields, dict)
+        try:
+            forge(path, **fields)
+        except (ValueError, TypeError, OverflowError, AssertionError):
+            return False  # not encodable, or too big for any slot: nothing was written
+    elif kind == "total":
+        value = how[1]
+        assert isinstance(value, int)
+        set_total(path, value)
+    return kind != "intact"
+
+
+def test_whatever_is_written_into_state_files_the_next_holder_serves(
+    make_holder: Callable[..., HolderProcess],
+) -> None:
+    holder = make_holder("--unclaimed-ttl", "0", keeper=True)
+    kids: list[PtyChild] = []
+    runs = {"examples": 0, "damaged": 0, "lost": 0}
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(DAMAGE, min_size=SESSIONS, max_size=SESSIONS))
+    def example(damages: list[tuple[object, ...]]) -> None:
+        _clear(holder, kids)
+        client = holder.client(OWNER)
+        for n in range(SESSIONS):
+            kid = spawn_in_pty(["sh", "-c", f"printf 'line of s{n}\\n'; exec sleep 600"])
+            kids.append(kid)
+            client.hand_off(f"s{n}", kid.master, child_pid=kid.pid)
+            os.close(kid.master)
+            kid.master = -1
+        wait_for(lambda: all(s.buffered_bytes for s in live(client.list())), 10.0,
+                 "every line drained")
+        paths = {record_of(p).id: p for p in state_files(holder.serving_pid()).values()}
+        damaged = {f"s{n}" for n, how in enumerate(damages) if _damage(paths[f"s{n}"], how)}
+        starts = len(holder.log_lines("keeper_started_holder"))
+        kill_and_wait(holder)
+        listed = live(holder.client("escrowctl").list(all_owners=True))
+        assert len(holder.log_lines("keeper_started_holder")) == starts + 1
+        assert len(listed) == SESSIONS, [(s.owner, s.id, s.state) for s in listed]
+        assert [k.proc.poll() for k in kids] == [None] * SESSIONS, "a shell lost its terminal"
+        by_pid = {s.child_pid: s for s in listed if s.label != LOST_LABEL}
+        for n, kid in enumerate(kids):
+            if f"s{n}" in damaged:
+                continue
+            info = by_pid.get(kid.pid)
+            assert info is not None, f"intact s{n} is not there as it was: {listed}"
+            assert info.buffered_bytes == len(f"line of s{n}\r\n"), info
+        for info in listed:
+            if info.label == LOST_LABEL:
+                assert info.replay_gaps[:1] == [0], info
+        runs["examples"] += 1
+        runs["damaged"] += len(damaged)
+        runs["lost"] += sum(s.label == LOST_LABEL for s in listed)
+
+    try:
+        example()
+    finally:
+        _clear(holder, kids)
+    print(f"\n[property] {runs['examples']} examples, {runs['damaged']} state files damaged, "
+          f"{runs['lost']} sessions adopted without their record; keeper started "
+          f"{len(holder.log_lines('keeper_started_holder'))} holders for as many kills + 1")
+    assert runs["examples"] >= 1
+
+
+def _clear(holder: HolderProcess, kids: list[PtyChild]) -> None:
+    """Release every session (the holder's copies are the last ones: the shells end)."""
+    for info in live(holder.client("escrowctl").list(all_owners=True)):
+        try:
+            EscrowClient(info.owner, socket_path=holder.socket).release(info.id)
+        except EscrowError:
+            pass
+    for kid in kids:
+        if kid.proc.poll() is None:
+            kid.proc.send_signal(signal.SIGKILL)
+        kid.proc.wait()
+    kids.clear()
+
+
