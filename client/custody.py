@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from .client import EscrowClient, ReclaimReport, Retrieved
 
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+_SETTLE_AGAIN = 1.0  # seconds between tries to settle a deposit never answered
 
 # Strong references: custody lasts until close() or the process ends, never merely until
 # the Custody object is garbage-collected.
@@ -221,9 +222,14 @@ class Custody:
             kept = self._kept.pop(session_id, None)
             try:
                 self._call(protocol.Release(id=session_id))
+            except errors.SessionUnknown:
+                if kept is None or not kept.pending:
+                    raise  # (a deposit that never arrived has nothing to release)
             finally:
                 if kept is not None:
                     kept.close()
+        if kept is not None and kept.pending:
+            self._wake(b"s")  # the watcher says whether custody is protected again
 
     @property
     def protected(self) -> bool:
@@ -365,34 +371,42 @@ class Custody:
     def _settle(self, deadline: Deadline) -> None:
         """Deposits never answered, on a connection that is still good: the holder's list
         says whether each arrived (held by this process: it did); one that did not is
-        deposited again. Any doubt left stays pending, for the next try."""
+        deposited again. Any doubt left stays pending, for the next try. Run by the
+        watcher while it is idle (nothing refused): with nothing pending, custody is
+        protected."""
         with self._lock:
             pending = {sid: k for sid, k in self._kept.items() if k.pending}
-            if not pending or self._channel is None:
+            if self._channel is None:
                 return
-            try:
-                with self._client._channel(deadline) as asking:
-                    reply, _ = asking.call(protocol.List(), deadline)
-                assert isinstance(reply, protocol.Sessions)
-                listed = {s.id: s for s in reply.sessions}
-            except errors.EscrowError:
+            if pending and not self._settle_these(pending, deadline):
                 return
-            for sid, kept in pending.items():
-                info = listed.get(sid)
-                if info is not None and info.state == "held" and (
-                        info.custodian_pid == os.getpid()):
-                    kept.pending = False  # it arrived (held here, on this connection)
-                    continue
-                if info is not None and info.state not in protocol.TOMBSTONE_STATES:
-                    continue  # someone else's now, or changing: not ours to say yet
-                try:
-                    reply, fds = self._call(kept.deposit, kept.fd)
-                except errors.EscrowError:
-                    return
-                self._set_journal(kept, reply, fds)
-                kept.pending = False
         if not self.pending():
             self._set_protected(True)
+
+    def _settle_these(self, pending: dict[str, _Kept], deadline: Deadline) -> bool:
+        """False if the holder could not be asked, or a deposit again failed."""
+        try:
+            with self._client._channel(deadline) as asking:
+                reply, _ = asking.call(protocol.List(), deadline)
+        except errors.EscrowError:
+            return False
+        assert isinstance(reply, protocol.Sessions)
+        listed = {s.id: s for s in reply.sessions}
+        for sid, kept in pending.items():
+            info = listed.get(sid)
+            if info is not None and info.state == "held" and (
+                    info.custodian_pid == os.getpid()):
+                kept.pending = False  # it arrived (held here, on this connection)
+                continue
+            if info is not None and info.state not in protocol.TOMBSTONE_STATES:
+                continue  # someone else's now, or changing: not ours to say yet
+            try:
+                reply, fds = self._call(kept.deposit, kept.fd)
+            except errors.EscrowError:
+                return False
+            self._set_journal(kept, reply, fds)
+            kept.pending = False
+        return True
 
     def _wake(self, why: bytes) -> None:
         try:
@@ -553,12 +567,14 @@ def _watch(ref: weakref.ref[Custody]) -> None:
         if custody is None or custody._closing:
             return
         channel, wake = custody._channel, custody._wake_r
+        # A deposit to settle is asked about again now and then, until it is settled.
+        settle_in = _SETTLE_AGAIN if custody.pending() else None
         del custody
         poller = select.poll()
         poller.register(wake, select.POLLIN)
         if channel is not None:
             poller.register(channel.sock.fileno(), PEER_HUNG_UP)
-        events = dict(poller.poll())
+        events = dict(poller.poll(None if settle_in is None else int(settle_in * 1000)))
         woken = os.read(wake, 64) if wake in events else b""
         if b"x" in woken:
             return
@@ -566,7 +582,8 @@ def _watch(ref: weakref.ref[Custody]) -> None:
         if custody is None or custody._closing:
             return
         if woken == b"s" * len(woken) and not events.keys() - {wake}:
-            # Only a deposit to settle, on a connection that has not hung up.
+            # Only a deposit to settle (or none: woken by nothing), on a connection that
+            # has not hung up.
             custody._settle(Deadline(custody._client.timeout))
             del custody
             continue

@@ -12,6 +12,7 @@ one, `escrowd.journal`); whether the client kept or closed its copies is read fr
 from __future__ import annotations
 
 import os
+import threading
 import tty
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ import msgspec
 import pytest
 from fakeholder import OWNER, SID, WELCOME, FakeHolder, Peer, fds_open_on
 
-from escrow_client import breaker, protocol
+from conftest import wait_for
+from escrow_client import breaker, errors, protocol
 from escrow_client.platform import pty_number
 from escrowd.journal import JournalFile
 from escrowd.ring import RingBudget
@@ -69,15 +71,18 @@ class Holder:
       fake holder's thread, while the client waits for the answer.
     - `retrieve{keep}`: `master` handed over; the ack is taken and never answered with
       `done`. Then it goes on as a custody connection.
-    - `deposit`: a custody connection. Each deposit is answered `deposited` (with
+    - `deposit`: a custody connection. Each deposit is answered `deposited` (the first
+      one only once `answer_first_deposit` is set, if given) (with
       `journal_file` as its journal, if one is asked for and given), `status` (a client
       putting the stream back in step) `holder_status`, `release` `released`, until the
       client hangs up.
     `custodies` has, per custody connection, the number of each terminal deposited on it."""
 
     def __init__(self, listed: list[str | None], master: int | None = None,
-                 journal_file: JournalFile | None = None) -> None:
+                 journal_file: JournalFile | None = None,
+                 answer_first_deposit: threading.Event | None = None) -> None:
         self.listed = listed
+        self.answer_first_deposit = answer_first_deposit
         self.lists = 0
         self.master = master
         self.journal_file = journal_file
@@ -107,6 +112,10 @@ class Holder:
                 peer.expect(protocol.Ack)  # and no `done`
             elif isinstance(message, protocol.Deposit):
                 deposited.append(terminal)
+                if self.answer_first_deposit is not None:
+                    # Late: the client has given up waiting by the time this goes out.
+                    assert self.answer_first_deposit.wait(30)
+                    self.answer_first_deposit = None
                 if message.journal and self.journal_file is not None:
                     peer.send(protocol.Deposited(id=message.id, journal=LAYOUT),
                               fd=self.journal_file.fd)
@@ -213,3 +222,32 @@ def test_the_app_records_nothing_once_custody_is_ending(
     assert holder.custodies == [[pty_number(master)]] * 2, holder.custodies
     assert journal_file.counters()[0] == len(b"read in custody\r\n")
     assert fds_open_on(journal_file.fd) == ours and fds_open_on(master) == {master}  # no copy kept
+
+
+def test_a_deposit_that_timed_out_is_settled_on_its_connection(
+    socket_dir: Path, terminal: tuple[int, int],
+) -> None:
+    """A holder too slow to answer a deposit within the client's timeout: the deposit may
+    well have arrived. The app is told the outcome is unknown (DepositIndeterminate), not
+    that nothing was escrowed; custody keeps its copy, is not protected, and settles it on
+    the same connection (closing it would end custody of everything on it): the holder's
+    list says the session is held by this process, so it is, and custody is protected."""
+    master, _ = terminal
+    late = threading.Event()
+    holder = Holder(listed=["held", "draining"], answer_first_deposit=late)
+    with fake_holder(socket_dir, holder) as fake:
+        custody = fake.client(timeout=0.5).custody()
+        try:
+            with pytest.raises(errors.DepositIndeterminate) as unknown:
+                custody.deposit(SID, master)
+            assert isinstance(unknown.value.cause, errors.HolderUnresponsive)
+            assert custody.pending() == {SID} and not custody.protected
+            assert len(fds_open_on(master)) == 2, "custody did not keep its copy"
+            late.set()
+            breaker.reset()  # (the timeout opened it: a wedged holder would keep it open)
+            wait_for(lambda: custody.protected, 10.0, "the deposit to be settled")
+            assert custody.pending() == set() and holder.lists >= 1
+            assert holder.custodies == [[pty_number(master)]], holder.custodies
+        finally:
+            custody.close()
+    assert fds_open_on(master) == {master}
