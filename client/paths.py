@@ -56,7 +56,10 @@ def ensure_private_dir(directory: str) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise PathError(f"cannot create socket directory {directory}: {exc.strerror}") from None
-    st = os.lstat(directory)
+    _check_private(os.lstat(directory), directory)
+
+
+def _check_private(st: os.stat_result, directory: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise PathError(f"socket directory {directory} is not a directory (a symlink?)")
     if st.st_uid != os.getuid():
@@ -87,12 +90,34 @@ class PidRecord:
 
 def write_pidfile(socket_path: str, pid: int, start_time: float) -> None:
     """Write `<socket>.pid` atomically (temp file and rename): a reader sees the old file,
-    the new one, or none; never half of one."""
-    final = pid_path(socket_path)
-    temp = f"{final}.{pid}.tmp"
-    with open(temp, "w", encoding="ascii", opener=_private_opener) as f:
-        f.write(f"{pid}\n{start_time!r}\n")
-    os.replace(temp, final)
+    the new one, or none; never half of one.
+
+    Everything is done relative to the socket directory, opened once and checked through
+    that fd (a real directory, ours, closed to group and others): another user who can
+    write its parent may have swapped it for a directory of hers, or a symlink, since the
+    holder last looked. The temp file is made new (O_EXCL) and never through a symlink,
+    so nothing of the user's is ever written in its place. PathError says why not."""
+    directory, final = os.path.split(pid_path(socket_path))
+    try:
+        dir_fd = os.open(directory or ".",
+                         os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PathError(f"cannot open socket directory {directory} (a symlink?): "
+                        f"{exc.strerror}") from None
+    try:
+        _check_private(os.fstat(dir_fd), directory)
+        temp = f"{final}.{pid}.tmp"
+        try:
+            os.unlink(temp, dir_fd=dir_fd)  # ours, from an earlier holder with this pid
+        except FileNotFoundError:
+            pass
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dir_fd)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{pid}\n{start_time!r}\n")
+        os.replace(temp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def read_pidfile(socket_path: str) -> PidRecord | None:
@@ -113,6 +138,3 @@ def read_pidfile(socket_path: str) -> PidRecord | None:
     finally:
         os.close(fd)
 
-
-def _private_opener(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_CLOEXEC, 0o600)
