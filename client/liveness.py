@@ -281,8 +281,9 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     | a process holds the lock; the socket accepted, did not answer    | `unresponsive`  |
     | a process holds the lock; the socket is missing or refuses       | `indeterminate` |
     | nobody holds the lock; the socket refuses or is missing; a       | `dead`          |
-    |   leftover socket file or pidfile exists                         |                 |
-    | nobody holds the lock, and no socket file or pidfile exists      | `not_running`   |
+    |   leftover pidfile exists (and maybe the socket file)            |                 |
+    | nobody holds the lock, and no pidfile exists (the socket file    | `not_running`   |
+    |   alone is what a stopped systemd socket unit keeps, on purpose) |                 |
     | anything else (the lock cannot be read, say)                     | `indeterminate` |
 
     Trust first (DESIGN §6): a socket directory that is not this user's own (or a listener
@@ -365,7 +366,8 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
         what = "is missing" if probe.answer == MISSING else "refuses connections"
         verdict.reason = (f"{who} holds the lock, but the socket {what}: a holder starting "
                           "or stopping, or one whose socket file was removed")
-    elif free and probe.answer in _NOT_SERVING and leftovers and pid_alive is not True:
+    elif (free and probe.answer in _NOT_SERVING and paths.pid_path(socket_path) in leftovers
+          and pid_alive is not True):
         verdict.state = "dead"
         what = "is missing" if probe.answer == MISSING else "refuses connections"
         names = " and ".join("its socket file" if f == socket_path else "its pidfile"
@@ -376,6 +378,14 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     elif free and probe.answer in _NOT_SERVING and not files_after and socket_file == "missing":
         verdict.state = "not_running"
         verdict.reason = "nobody holds the lock, and no socket file or pidfile exists"
+    elif (free and probe.answer == REFUSED and leftovers == [socket_path]
+          and files_after == [socket_path]):
+        # A holder that stopped cleanly removes its pidfile; the socket file it leaves is
+        # one a service manager keeps (systemd's escrowd.socket, RemoveOnStop=no) so that
+        # clients see "refused" until a holder comes back.
+        verdict.state = "not_running"
+        verdict.reason = ("nobody holds the lock and no pidfile is left (a clean stop); the "
+                          "socket file is kept by its service manager and refuses connections")
     else:
         verdict.pid = lock_pid
         verdict.reason = _why_indeterminate(lock_before, lock, probe, socket_file, pid_record,

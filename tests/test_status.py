@@ -325,6 +325,22 @@ def test_not_running_when_nothing_ever_ran(socket_dir: Path) -> None:
     assert os.listdir(socket_dir) == [], "status created something"
 
 
+def test_not_running_after_a_clean_stop_that_leaves_the_socket_file(socket_dir: Path) -> None:
+    """Incident pinned: after `systemctl --user stop escrowd.socket escrowd.service`,
+    status said `dead` (exit 1), because the socket unit keeps its socket file on purpose
+    (RemoveOnStop=no). The holder's clean stop removed its pidfile: a socket file alone,
+    refusing, with nobody holding the lock, is `not_running`."""
+    sock = str(socket_dir / "escrowd.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock)  # bound, never listening, closed: a file that refuses, as systemd's
+    listener.close()
+    code, report = status_json(sock)
+    assert (code, report["state"]) == (NOT_RUNNING, "not_running"), report
+    assert report["evidence"]["socket_answer"] == "refused"
+    assert "clean stop" in report["reason"]
+    assert os.path.exists(sock), "status removed the socket file"
+
+
 # --- row 6: indeterminate (anything else) -------------------------------------------------
 
 

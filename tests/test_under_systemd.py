@@ -353,6 +353,11 @@ def test_a_stop_of_the_service_on_this_systemd(
 
     manager.systemctl("stop", "escrowd.socket")
     assert installed.show("ActiveState") == {"ActiveState": "inactive"}
+    # A clean stop: the socket unit keeps its socket file on purpose (RemoveOnStop=no), and
+    # that alone is no sign of a holder that died.
+    shown = manager.run(ESCROWCTL, "status", "--json", check=False)
+    assert (shown.returncode, json.loads(shown.stdout)["state"]) == (3, "not_running"), (
+        shown.stdout)
 
 
 def test_the_watchdog_replaces_a_stopped_holder(
