@@ -20,6 +20,7 @@ import trio
 from escrow_client import paths
 
 from . import __version__, keeper
+from . import log as log_file
 from .config import Config, MiB
 from .fdstore import FDS_PER_SESSION, FdStore
 from .lifecycle import StartupError, claimed, take_lock
@@ -199,9 +200,12 @@ async def _outlive_keeper(holder: Holder, keeper_pid: int) -> None:
 
 
 async def _watch_signals(holder: Holder) -> None:
-    """SIGTERM or SIGINT: stop in order (Holder.serve), keeping every stored session for
-    the next holder; whoever keeps the store (systemd, the keeper) decides what is next."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """SIGTERM (or, with no keeper, SIGINT): stop in order (Holder.serve), keeping every
+    stored session for the next holder; whoever keeps the store (systemd, the keeper)
+    decides what is next. Under a keeper SIGINT is the keeper's to judge (Ctrl-C in its
+    terminal reaches both): ignored here."""
+    stop_on = (signal.SIGTERM,) if holder.keeper_pid else (signal.SIGTERM, signal.SIGINT)
+    with trio.open_signal_receiver(*stop_on) as signals:
         async for signum in signals:
             if holder.stopping:
                 continue  # stopping in order already: a second signal must not cut it short
@@ -261,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     config = _config(args, parser)
     if args.check:
         return _check()
+    log_file.falls_back_to(config.socket_path + ".log")  # once the terminal is gone
     if not args.bare:
         return keeper.main(config, sys.argv[1:] if argv is None else argv)
     keeper_pid = _keeper_pid()
+    if keeper_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the keeper's (see _watch_signals)
     try:
         # Before trio.run: the event loop opens fds of its own, and fd 3 must still be the
         # one systemd passed (or nothing) when it is looked at.

@@ -22,8 +22,13 @@ environment says how many fds the store can take, as systemd 254 says it.
 It has no event loop library and no session logic, so that it is small enough to trust:
 one `poll` over the holder's channel and a self-pipe for signals.
 
-Signals: SIGTERM or SIGINT stop the holder, then the keeper, and close every stored fd
-(the terminals no app holds hang up: this is `escrowctl stop`). SIGHUP replaces the holder
+Signals: SIGTERM stops the holder, then the keeper, and closes every stored fd (the
+terminals no app holds hang up: this is `escrowctl stop --force`). SIGINT (Ctrl-C in the
+terminal a foreground escrowd runs in) does the same only while no session is stored:
+with sessions it keeps them all, and says how to stop for real (an interrupt once dropped
+every session without a word, while `escrowctl stop` refused the same without --force).
+Its holder ignores SIGINT. If that terminal goes away, the log goes on in `<socket>.log`
+(escrowd.log). SIGHUP replaces the holder
 with the installed code (`escrowctl upgrade`): the new code is tried first, the old holder
 stops in order, the new one adopts every session; if the new one fails, the fds stay here
 and it is retried with back-off. Every holder and trial run is started from `/` and
@@ -50,7 +55,14 @@ from escrow_client.interpreter import CHILD_CWD, python_command
 from escrow_client.platform import PASSCRED, RECV_FLAGS, SEND_FLAGS
 
 from .config import Config
-from .fdstore import NOTIFY_FD_ENV, STORE_FAILED, STORE_ID, STORED, is_store_name
+from .fdstore import (
+    NOTIFY_FD_ENV,
+    SESSION_PREFIX,
+    STORE_FAILED,
+    STORE_ID,
+    STORED,
+    is_store_name,
+)
 from .lifecycle import StartupError, bind_socket, remove_leftover_socket, take_lock
 from .log import log
 
@@ -201,12 +213,22 @@ class Keeper:
 
     def _signals(self, received: bytes) -> None:
         for signum in received:
-            if signum in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
+            if signum == signal.SIGINT and not self.stopping and self._sessions_stored():
+                n = self._sessions_stored()
+                log("keeper_interrupt", sessions=n, reason=(
+                    f"not stopping: {n} session(s) are escrowed, and their terminals would "
+                    f"hang up. To stop anyway: escrowctl stop --force, or kill -TERM "
+                    f"{os.getpid()}. To leave them escrowed, close this terminal: escrowd "
+                    "serves on, and logs to its socket's .log file"))
+            elif signum in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
                 log("keeper_stopping", reason=signal.Signals(signum).name)
                 self.stopping = True
                 self._stop_holder()
             elif signum == signal.SIGHUP and not self.stopping and not self.upgrading:
                 self._upgrade()
+
+    def _sessions_stored(self) -> int:
+        return sum(1 for name in self.store if name.startswith(SESSION_PREFIX))
 
     # --- the holder --------------------------------------------------------------------------
 

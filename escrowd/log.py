@@ -8,6 +8,7 @@ Every line about a session carries `session=owner/id`; every state change carrie
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import select
@@ -118,6 +119,18 @@ def batched() -> Iterator[None]:
             _write(b"".join(chunk), len(chunk))
 
 
+_fallback: str | None = None  # where the log goes once stderr is gone (falls_back_to)
+# stderr is gone for good: the terminal hung up, the pipe's reader went, or it was closed.
+_GONE = {errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO}
+
+
+def falls_back_to(path: str) -> None:
+    """Once stderr is gone for good (the terminal a foreground escrowd ran in was closed),
+    log to `path` instead (created 0600, appended to, never through a symlink)."""
+    global _fallback
+    _fallback = path
+
+
 def _write(lines: bytes, count: int) -> None:
     """Write `count` whole lines (at most PIPE_BUF bytes), or drop them if stderr cannot
     take them right now."""
@@ -129,8 +142,31 @@ def _write(lines: bytes, count: int) -> None:
             return
         os.write(fd, lines)
         dropped_lines = 0
-    except (OSError, ValueError, AttributeError):
+    except OSError as exc:
+        if exc.errno in _GONE and _switch_to_fallback():
+            _write(lines, count)
+    except (ValueError, AttributeError):
         pass  # a closed or broken stderr must not take the holder down
+
+
+def _switch_to_fallback() -> bool:
+    """Put the fallback file where stderr was (fd 2: a holder started from here inherits
+    it too). False if there is none, or it cannot be opened: then lines are dropped."""
+    global _fallback
+    path, _fallback = _fallback, None  # once: a file that fails too is not tried again
+    if path is None:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError:
+        return False
+    try:
+        os.dup2(fd, 2, inheritable=True)
+    finally:
+        os.close(fd)
+    _pollers.pop(2, None)
+    return True
 
 
 def _whole_fields(parts: list[str], room: int) -> list[str]:
