@@ -71,7 +71,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="replay kept per session (default 1 MiB)")
     p.add_argument("--total-ring-bytes", type=int, default=d.total_ring_bytes, metavar="BYTES",
                    help=f"replay kept in all (default {d.total_ring_bytes // MiB} MiB)")
-    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N")
+    p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help=f"connections open at once (default {d.max_connections})")
+    p.add_argument("--max-sessions-per-owner", type=int, default=d.max_sessions_per_owner,
+                   metavar="N", help="sessions one owner (app) may hold at once (default "
+                   f"{d.max_sessions_per_owner}): no app takes every slot")
+    p.add_argument("--owner-ring-bytes", type=int, default=d.owner_ring_bytes,
+                   metavar="BYTES", help="replay the sessions of one owner may keep in all "
+                   f"(default {d.owner_ring_bytes // MiB} MiB): no app takes the whole budget")
+    p.add_argument("--max-connections-per-owner", type=int,
+                   default=d.max_connections_per_owner, metavar="N",
+                   help="connections one owner may have open at once (default "
+                   f"{d.max_connections_per_owner}; custody connections never time out)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    metavar="BYTES")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
@@ -94,6 +105,9 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
         ring_bytes=args.ring_bytes,
         total_ring_bytes=args.total_ring_bytes,
         max_connections=args.max_connections,
+        max_sessions_per_owner=args.max_sessions_per_owner,
+        owner_ring_bytes=args.owner_ring_bytes,
+        max_connections_per_owner=args.max_connections_per_owner,
         max_request_bytes=args.max_request_bytes,
         idle_timeout=args.idle_timeout,
         unclaimed_ttl=args.unclaimed_ttl,
@@ -102,10 +116,11 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     for name in ("drain_stop_budget", "send_deadline", "ack_deadline", "idle_timeout"):
         if getattr(config, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    for name in ("max_sessions", "max_connections", "max_request_bytes"):
+    for name in ("max_sessions", "max_connections", "max_request_bytes",
+                 "max_sessions_per_owner", "max_connections_per_owner"):
         if getattr(config, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if config.ring_bytes < 0 or config.total_ring_bytes < 0:
+    if config.ring_bytes < 0 or config.total_ring_bytes < 0 or config.owner_ring_bytes < 0:
         parser.error("ring sizes cannot be negative")
     return config
 

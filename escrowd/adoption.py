@@ -287,7 +287,7 @@ def _records(files: list[int], token: str | None) -> tuple[
 def _as_recorded(holder: Holder, master: int, state: StateFile[Record], record: Record,
                  journals: dict[str, list[int]]) -> Session:
     """A session as its (believed) record says. Takes `master` and `state` on success only."""
-    ring = Ring(state.size, holder.registry.budget, state)
+    ring = Ring(state.size, holder.registry.budget.for_owner(record.owner), state)
     try:
         # A read may have been in flight when the last holder died: a drain's, or (in
         # `handing_off`) the sweep's, or a drain's last read as the handoff stopped it.
@@ -333,7 +333,7 @@ def _unrecorded(holder: Holder, master: int, named: tuple[str, str] | None,
                     child_pid=child, child_start_time=_quietly(process_start_time, child)
                     if child else None, state="draining", deposited_at=now, state_since=now,
                     gap_totals=[0], instance=holder.instance, record_lost=True)
-    ring = holder.registry.new_ring()
+    ring = holder.registry.new_ring(named[0])
     session = Session.adopted(master, ring, record, holder.instance, holder.store,
                               holder.registry.private_dir)
     session.log("adopted", state="draining", reason=f"without its record: {why}",

@@ -21,6 +21,11 @@ class Config:
     ring_bytes: int = 1 * MiB
     total_ring_bytes: int = 512 * MiB
     max_connections: int = 256
+    # Fair shares: no one owner (app) takes every session slot, the whole ring budget, or
+    # every connection, so another app's sessions are still escrowed with their replay.
+    max_sessions_per_owner: int = 1024
+    owner_ring_bytes: int = 256 * MiB
+    max_connections_per_owner: int = 128
     max_request_bytes: int = protocol.MAX_REQUEST_BYTES
     idle_timeout: float = 60.0  # a connection that is not a custodian
     max_tombstones: int = 10_000

@@ -50,7 +50,7 @@ from escrow_client.journal import (
 )
 
 from .fdstore import journal_name
-from .ring import RingBudget
+from .ring import Budget
 
 if TYPE_CHECKING:
     from .session import Session
@@ -63,7 +63,7 @@ class JournalFile:
     """One session's journal file, mapped. Resource handling: owns `fd` and the mapping;
     `close()` releases both and gives the ring's storage back to the budget."""
 
-    def __init__(self, fd: int, capacity: int, budget: RingBudget) -> None:
+    def __init__(self, fd: int, capacity: int, budget: Budget) -> None:
         """Map a journal file whose ring has `capacity` bytes, storage the caller has
         counted in `budget`. The caller gives up `fd`, also on error (OSError, or
         ValueError: not such a file)."""
@@ -83,7 +83,7 @@ class JournalFile:
         view.release()
 
     @classmethod
-    def create(cls, capacity: int, budget: RingBudget,
+    def create(cls, capacity: int, budget: Budget,
                private_dir: str | None = None) -> JournalFile:
         """A new, empty journal (sparse) whose ring has `capacity` bytes, granted already
         (its storage is counted from here)."""
@@ -107,7 +107,7 @@ class JournalFile:
         return cls(fd, capacity, budget)
 
     @classmethod
-    def adopt(cls, fd: int, capacity: int, budget: RingBudget) -> JournalFile:
+    def adopt(cls, fd: int, capacity: int, budget: Budget) -> JournalFile:
         """The journal file a stopped holder left in the store, whose ring its record says
         has `capacity` bytes (the file's own header is the app's to write: not believed)."""
         file = cls(fd, capacity, budget)

@@ -36,10 +36,13 @@ class Registry:
     def __init__(
         self, max_sessions: int, ring_bytes: int, total_ring_bytes: int, max_tombstones: int,
         store: FdStore | None = None, private_dir: str | None = None,
+        max_sessions_per_owner: int | None = None, owner_ring_bytes: int | None = None,
     ) -> None:
         self.max_sessions = max_sessions
+        self.max_per_owner = max_sessions if max_sessions_per_owner is None else (
+            max_sessions_per_owner)
         self.ring_bytes = ring_bytes
-        self.budget = RingBudget(total_ring_bytes)
+        self.budget = RingBudget(total_ring_bytes, owner_ring_bytes)
         self.max_tombstones = max_tombstones
         self.store = store if store is not None else FdStore(None)
         self.private_dir = private_dir  # where a state file lives where there is no memfd
@@ -65,11 +68,16 @@ class Registry:
             raise RegistryError(
                 "limit", f"the holder is at its limit of {self.max_sessions} session(s)"
             )
+        if sum(1 for k in self.live if k[0] == key[0]) >= self.max_per_owner:
+            raise RegistryError(
+                "limit", f"{key[0]} holds {self.max_per_owner} session(s), the most one owner "
+                "may (--max-sessions-per-owner)")
 
-    def new_ring(self) -> Ring:
-        """A ring in a new state file of its own."""
+    def new_ring(self, owner: str = "") -> Ring:
+        """A ring in a new state file of its own, drawing on `owner`'s share of the
+        budget."""
         state = StateFile.create(Record, self.ring_bytes, "session", self.private_dir)
-        return Ring(self.ring_bytes, self.budget, state)
+        return Ring(self.ring_bytes, self.budget.for_owner(owner), state)
 
     def add(self, session: Session) -> None:
         self.check_room(session.key)

@@ -59,6 +59,7 @@ class Holder:
         self.registry = Registry(
             config.max_sessions, config.ring_bytes, config.total_ring_bytes,
             config.max_tombstones, self.store, os.path.dirname(config.socket_path),
+            config.max_sessions_per_owner, config.owner_ring_bytes,
         )
         self.instance = uuid.uuid4().hex  # this holder process, as `status` names it
         # Who keeps the fds while no holder runs: "systemd", "keeper" or "none".
@@ -363,6 +364,14 @@ class Holder:
         conn.owner, conn.client = hello.owner, hello.client
         conn.client_timeout = min(max(hello.timeout or 0.0, 0.0), 600.0)
         c = self.config
+        if sum(1 for other in self.connections if other.owner == conn.owner) > (
+                c.max_connections_per_owner):
+            log("conn_refused", conn=conn.number, owner=conn.owner, peer_pid=conn.peer_pid,
+                reason="connection limit of its owner")
+            await conn.send_error("limit", f"{conn.owner} has {c.max_connections_per_owner} "
+                                  "connections open, the most one owner may "
+                                  "(--max-connections-per-owner)")
+            return False
         await conn.send(
             protocol.Welcome(
                 version=protocol.VERSION,
@@ -446,7 +455,7 @@ class Holder:
             start_time = _start_time(request.child_pid)
             custodian_start = _start_time(conn.peer_pid)
             try:
-                ring = self.registry.new_ring()
+                ring = self.registry.new_ring(conn.owner)
             except OSError as exc:
                 if exc.errno not in _FD_EXHAUSTION:
                     raise
