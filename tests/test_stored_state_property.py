@@ -7,8 +7,9 @@ record with a correct CRC (any field, any value, any type), some a hot counter s
 anything, the rest are left intact; the serving holder is SIGKILLed. Then, always:
 - the keeper started exactly one holder for the kill (no crash loop), and it answers
   `list` for every owner;
-- every terminal is still a session (ten live sessions, every shell alive: no master was
-  closed);
+- every terminal is still a session, every shell alive (no master was closed), but where
+  a forged record says the session ended (`handed_off`, `released`, `expired`: that is
+  what a holder acts on, as it must for a removal a kill kept from the store);
 - every intact session is there as it was: not marked as adopted without its record, its
   line still in its replay;
 - every damaged one whose record could not be believed says so (its label, and a replay
@@ -30,13 +31,12 @@ from statefiles import forge, record_of, scribble, set_total, state_files
 from test_untrusted_state import kill_and_wait, live
 
 from conftest import HolderProcess, PtyChild, spawn_in_pty, wait_for
-from escrow_client import EscrowClient, EscrowError
+from escrow_client import EscrowClient, EscrowError, protocol
 from escrowd.adoption import LOST_LABEL
 from escrowd.statefile import BIG_SLOT, PAGE
 
 SESSIONS = 10
 EXAMPLES = int(os.environ.get("ESCROW_PROPERTY_EXAMPLES", "6"))
-OWNER = "com.example.prop"
 
 _ANY_INT = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.integers(-3, 70000),
                      st.sampled_from([0, 1, 1 << 31, 1 << 40, 1 << 61, 1 << 62, 4194304]))
@@ -94,14 +94,17 @@ def test_whatever_is_written_into_state_files_the_next_holder_serves(
 ) -> None:
     holder = make_holder("--unclaimed-ttl", "0", keeper=True)
     kids: list[PtyChild] = []
-    runs = {"examples": 0, "damaged": 0, "lost": 0}
+    runs = {"examples": 0, "damaged": 0, "lost": 0, "ended": 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.lists(DAMAGE, min_size=SESSIONS, max_size=SESSIONS))
     def example(damages: list[tuple[object, ...]]) -> None:
         _clear(holder, kids)
-        client = holder.client(OWNER)
+        # An owner of its own: a session an earlier example left (one a forged record has
+        # waiting for an ack from a live pid cannot be released) is never in the way.
+        owner = f"com.example.prop.{runs['examples']}.{len(holder.logs())}"
+        client = holder.client(owner)
         for n in range(SESSIONS):
             kid = spawn_in_pty(["sh", "-c", f"printf 'line of s{n}\\n'; exec sleep 600"])
             kids.append(kid)
@@ -110,14 +113,21 @@ def test_whatever_is_written_into_state_files_the_next_holder_serves(
             kid.master = -1
         wait_for(lambda: all(s.buffered_bytes for s in live(client.list())), 10.0,
                  "every line drained")
-        paths = {record_of(p).id: p for p in state_files(holder.serving_pid()).values()}
+        paths = {}
+        for path in state_files(holder.serving_pid()).values():
+            record = record_of(path)
+            if record.owner == owner:
+                paths[record.id] = path
         damaged = {f"s{n}" for n, how in enumerate(damages) if _damage(paths[f"s{n}"], how)}
+        may_end = {f"s{n}" for n, how in enumerate(damages) if how[0] == "record"
+                   and isinstance(how[1], dict) and how[1].get("state") in ENDED}
         starts = len(holder.log_lines("keeper_started_holder"))
         kill_and_wait(holder)
         listed = live(holder.client("escrowctl").list(all_owners=True))
         assert len(holder.log_lines("keeper_started_holder")) == starts + 1
-        assert len(listed) == SESSIONS, [(s.owner, s.id, s.state) for s in listed]
-        assert [k.proc.poll() for k in kids] == [None] * SESSIONS, "a shell lost its terminal"
+        for n, kid in enumerate(kids):
+            if f"s{n}" not in may_end:
+                assert kid.proc.poll() is None, f"s{n}'s shell lost its terminal ({damages[n]})"
         by_pid = {s.child_pid: s for s in listed if s.label != LOST_LABEL}
         for n, kid in enumerate(kids):
             if f"s{n}" in damaged:
@@ -130,25 +140,32 @@ def test_whatever_is_written_into_state_files_the_next_holder_serves(
                 assert info.replay_gaps[:1] == [0], info
         runs["examples"] += 1
         runs["damaged"] += len(damaged)
-        runs["lost"] += sum(s.label == LOST_LABEL for s in listed)
+        runs["lost"] += sum(s.label == LOST_LABEL and s.owner in (owner, "escrowd")
+                            for s in listed)
+        runs["ended"] += sum(kid.proc.poll() is not None for kid in kids)
 
     try:
         example()
     finally:
         _clear(holder, kids)
     print(f"\n[property] {runs['examples']} examples, {runs['damaged']} state files damaged, "
-          f"{runs['lost']} sessions adopted without their record; keeper started "
+          f"{runs['lost']} sessions adopted without their record, {runs['ended']} ended by a "
+          "forged record saying so; keeper started "
           f"{len(holder.log_lines('keeper_started_holder'))} holders for as many kills + 1")
     assert runs["examples"] >= 1
 
 
+ENDED = set(protocol.TOMBSTONE_STATES)
+
+
 def _clear(holder: HolderProcess, kids: list[PtyChild]) -> None:
-    """Release every session (the holder's copies are the last ones: the shells end)."""
+    """Release every session that can be (the holder's copies are the last ones: the shells
+    end), and end every shell."""
     for info in live(holder.client("escrowctl").list(all_owners=True)):
         try:
             EscrowClient(info.owner, socket_path=holder.socket).release(info.id)
         except EscrowError:
-            pass
+            pass  # busy: handing off to a process that lives (a forged record says so)
     for kid in kids:
         if kid.proc.poll() is None:
             kid.proc.send_signal(signal.SIGKILL)
