@@ -285,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         return keeper.main(config, sys.argv[1:] if argv is None else argv)
     keeper_pid = _keeper_pid()
     if keeper_pid is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the keeper's (see _watch_signals)
+        # The keeper's to judge (see _watch_signals): Ctrl-C, and the hangup a shell passes
+        # on to its jobs when its terminal closes, reach the holder too.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         # Before trio.run: the event loop opens fds of its own, and fd 3 must still be the
         # one systemd passed (or nothing) when it is looked at.

@@ -62,7 +62,7 @@ from escrow_client.liveness import process_start_time
 from escrow_client.platform import is_pty_master, pty_number
 from escrow_client.protocol import TOMBSTONE_STATES
 
-from .bounds import holder_record_doubt, record_doubt
+from .bounds import believed_child, holder_record_doubt, record_doubt
 from .fdstore import (
     HOLDER_NAME,
     JOURNAL_PREFIX,
@@ -100,8 +100,9 @@ class Adoption:
     refused: int = 0  # stored groups (or fds of them) closed: not a terminal, or ended
     holder_state: StateFile[HolderRecord] | None = None
     # Masters that could not be taken up at all (no state file could be made: out of fds
-    # or memory): kept open, unread, and left in the store for the next holder.
-    held_back: list[int] = field(default_factory=list)
+    # or memory), with the group they are stored in: kept open, left in the store, and
+    # taken up later (`_take_up_later`).
+    held_back: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +147,8 @@ async def adopt(holder: Holder, stored: dict[str, list[int]]) -> Adoption:
         except Exception as exc:  # this session's alone: it is kept, listed, and retried
             session.log("internal_error", where="adoption", error=repr(exc))
         report.adopted += 1
+    if report.held_back:
+        holder.nursery.start_soon(_take_up_later, holder, report)
     if report.adopted or report.restarts or report.refused:
         log("adopted", sessions=report.adopted, refused=report.refused,
             without_record=report.without_record or None, renamed=report.renamed or None,
@@ -182,7 +185,12 @@ def _holder_state(holder: Holder, fds: list[int], report: Adoption,
     if state is None:
         if not holder.store.enabled:
             return False
-        state = StateFile.create(HolderRecord, 0, "holder", holder.registry.private_dir)
+        try:
+            state = StateFile.create(HolderRecord, 0, "holder", holder.registry.private_dir)
+        except OSError as exc:  # out of fds or memory: serve without the counts
+            log("holder_state", error=repr(exc), reason="restart counts not kept")
+            report.restarts = report.unclean_restarts = None
+            return False
     if previous is not None:
         report.restarts = None if previous.restarts is None else previous.restarts + 1
         report.unclean_restarts = (None if previous.unclean_restarts is None else
@@ -235,11 +243,13 @@ async def _take_up(holder: Holder, name: str, fds: list[int], journals: dict[str
             except Exception as exc:  # taken up all the same, with what can be proven
                 why = f"its record could not be taken up: {exc!r}"
         try:
-            found.append(_Found(_unrecorded(holder, master, named, why), False, name))
+            session = _unrecorded(holder, master, named, why)
+            session.store_name = name  # (until it is stored apart under its own)
+            found.append(_Found(session, False, name))
             report.without_record += 1
         except Exception as exc:
             # Not even a fresh state file (out of fds or memory): never closed for that.
-            report.held_back.append(master)
+            report.held_back.append((name, master))
             held_back = True
             log("adopt_held_back", name=name, error=repr(exc), reason="kept open and "
                 "stored, for the next holder: no state file could be made for it now")
@@ -287,6 +297,7 @@ def _records(files: list[int], token: str | None) -> tuple[
 def _as_recorded(holder: Holder, master: int, state: StateFile[Record], record: Record,
                  journals: dict[str, list[int]]) -> Session:
     """A session as its (believed) record says. Takes `master` and `state` on success only."""
+    record.child_pid = believed_child(record.child_pid)
     ring = Ring(state.size, holder.registry.budget.for_owner(record.owner), state)
     try:
         # A read may have been in flight when the last holder died: a drain's, or (in
@@ -342,26 +353,38 @@ def _unrecorded(holder: Holder, master: int, named: tuple[str, str] | None,
 
 
 async def _store_apart(holder: Holder, group: str, found: list[_Found]) -> None:
-    """Store each session of `group` under its own name (a new token for one adopted as
-    recorded), then remove the group: a kill in between leaves two copies of a terminal,
-    which the next adoption makes one again. If a store fails the group stays stored."""
+    """Store each session of `group` under a name of its own (a new token), then remove the
+    group. Each is stored under its new name before its record says that name, and the
+    group goes only once every one is: a kill at any point leaves a whole copy of each
+    terminal (two copies are made one again by the next adoption, `_one_per_terminal`).
+    If a store fails, the group stays stored, and the sessions keep its name."""
     for each in found:
         session = each.session
-        if each.believed:
-            # Its record says the new name before the store has it: a kill in between
-            # leaves the old group with a record of another token (taken up without it),
-            # and the new one whole; the next adoption keeps the whole one.
-            session.token = uuid.uuid4().hex
-            session.persist()
+        token = uuid.uuid4().hex
         try:
-            await holder.store.store(session_name(session.token),
-                                     [session.fd, session.ring.state.fd])
+            await holder.store.store(session_name(token), [session.fd, session.ring.state.fd])
         except StoreError as exc:
             session.log("fd_store", error=str(exc), reason=f"not stored apart from {group}, "
                         "which stays stored")
             return
+        session.token, session.store_name = token, session_name(token)
+        session.persist()
         each.moved = True
+        _restore_journal(holder, session)
     holder.store.remove(group)
+
+
+def _restore_journal(holder: Holder, session: Session) -> None:
+    """A session stored under a new name has its journal stored under it too (so that its
+    removal, by that name, finds it), and the old entry removed."""
+    file = session.journal
+    if file is None:
+        return
+    new = journal_name(session.token)
+    if holder.store.store_nowait(new, [file.fd]):
+        if file.store_name is not None:
+            holder.store.remove(file.store_name)
+        file.store_name = new
 
 
 def _journal(holder: Holder, record: Record, fds: list[int]) -> JournalFile | None:
@@ -373,7 +396,9 @@ def _journal(holder: Holder, record: Record, fds: list[int]) -> JournalFile | No
             holder.store.remove(journal_name(record.token))
         return None
     try:
-        return JournalFile.adopt(fds[0], record.journal_capacity, holder.registry.budget)
+        return JournalFile.adopt(fds[0], record.journal_capacity,
+                                 holder.registry.budget.for_owner(record.owner),
+                                 journal_name(record.token))
     except (OSError, ValueError) as exc:
         log("adopt_refused", name=journal_name(record.token), reason=f"its journal: {exc}")
         holder.store.remove(journal_name(record.token))
@@ -386,45 +411,47 @@ def _journal(holder: Holder, record: Record, fds: list[int]) -> JournalFile | No
 def _one_per_terminal(holder: Holder, found: list[_Found], report: Adoption) -> list[_Found]:
     """One session per terminal: of two copies of one terminal, the believed one is kept
     (else the newer deposit), and the other copy is closed (the terminal stays open through
-    the one kept) and taken out of the store."""
+    the one kept) and taken out of the store, unless its group still holds another
+    session, or a master held back (then the group stays, and goes when that one ends)."""
     kept: dict[tuple[int, int], _Found] = {}
-    result: list[_Found] = []
+    dropped: list[_Found] = []
     for each in found:
         terminal = each.session.terminal
+        other = kept.get(terminal) if terminal is not None else None
         if terminal is None:
-            result.append(each)
-            continue
-        other = kept.get(terminal)
-        if other is None:
+            kept[(-2, id(each))] = each
+        elif other is None:
             kept[terminal] = each
-            result.append(each)
-            continue
-        keep, drop = sorted((other, each), key=lambda f: (f.believed,
-                                                          f.session.deposited_at),
-                            reverse=True)
-        if keep is not other:
-            result[result.index(other)] = keep
+        else:
+            keep, drop = sorted((other, each), key=lambda f: (f.believed,
+                                                              f.session.deposited_at),
+                                reverse=True)
             kept[terminal] = keep
+            dropped.append(drop)
+    result = [each for each in found if any(each is k for k in kept.values())]
+    needed = {f.session.store_name for f in result} | {group for group, _ in report.held_back}
+    for drop in dropped:
         gone = drop.session
-        if drop.moved:
-            holder.store.remove(session_name(gone.token))
-        elif not any(f.group == drop.group and not f.moved for f in result):
-            holder.store.remove(drop.group)
+        if gone.store_name not in needed:
+            holder.store.remove(gone.store_name)
+        gone.store_name = ""  # (its copy is closed; the store's, if kept, is another's)
         gone.close()
         report.refused += 1
+        survivor = next(k for k in kept.values() if k.session.terminal == gone.terminal)
         log("adopt_refused", name=drop.group, session=gone.name,
-            reason=f"another copy of the terminal of {keep.session.name}")
+            reason=f"another copy of the terminal of {survivor.session.name}")
     return result
 
 
 def _names_apart(found: list[_Found], report: Adoption) -> None:
-    """Two sessions under one owner/id: the newer deposit keeps the name, the older is
-    renamed `<id>.dup-<token>` (both stay, both are listed)."""
-    by_key: dict[tuple[str, str], list[Session]] = {}
+    """Two sessions under one owner/id: the believed one keeps the name (of two, the newer
+    deposit), the other is renamed `<id>.dup-<token>` (both stay, both are listed)."""
+    by_key: dict[tuple[str, str], list[_Found]] = {}
     for each in found:
-        by_key.setdefault(each.session.key, []).append(each.session)
-    for sessions in by_key.values():
-        sessions.sort(key=lambda s: s.deposited_at, reverse=True)
+        by_key.setdefault(each.session.key, []).append(each)
+    for claims in by_key.values():
+        claims.sort(key=lambda f: (f.believed, f.session.deposited_at), reverse=True)
+        sessions = [f.session for f in claims]
         for older in sessions[1:]:
             old_name = older.name
             older.id = f"{older.id[:110]}.dup-{older.token[:8]}"
@@ -436,8 +463,16 @@ def _names_apart(found: list[_Found], report: Adoption) -> None:
 # --- resuming -------------------------------------------------------------------------------
 
 
+# How long a session adopted without its record waits before the holder reads it: an app
+# whose custody outlived the last holder (it reads the terminal itself) takes it back
+# within about a second (escrow_client.custody); reading before would make two readers.
+UNRECORDED_GRACE = 2.0
+
+
 def _resume(holder: Holder, session: Session) -> None:
-    if session.state == "draining":
+    if session.state == "draining" and session.record_lost:
+        holder.nursery.start_soon(_drain_after_grace, holder, session)
+    elif session.state == "draining":
         session.start_drain(holder.nursery, "adopted")
     elif session.state == "exited":
         session.hung_up = True
@@ -445,6 +480,37 @@ def _resume(holder: Holder, session: Session) -> None:
         holder.nursery.start_soon(_await_adopted_ack, holder, session)
     elif session.state == "held":
         holder.nursery.start_soon(watch_custodian, holder, session)
+
+
+async def _drain_after_grace(holder: Holder, session: Session) -> None:
+    await trio.sleep(UNRECORDED_GRACE)
+    if (holder.registry.live.get(session.key) is session and session.state == "draining"
+            and session.fd >= 0 and not session.has_drain()):
+        session.start_drain(holder.nursery, "adopted without its record; not taken back")
+
+
+async def _take_up_later(holder: Holder, report: Adoption) -> None:
+    """Masters held back at adoption (no state file could be made for them then): tried
+    again now and then until each is a session, listed and drained. Never closed."""
+    pause = 1.0
+    while report.held_back:
+        await trio.sleep(pause)
+        pause = min(pause * 2, 60.0)
+        for group, master in list(report.held_back):
+            try:
+                session = _unrecorded(holder, master, None, "held back at adoption")
+            except Exception:
+                continue
+            session.store_name = group
+            report.held_back.remove((group, master))
+            report.adopted += 1
+            report.without_record += 1
+            holder.registry.live[session.key] = session
+            try:
+                session.persist()
+                session.start_drain(holder.nursery, "taken up after being held back")
+            except Exception as exc:
+                session.log("internal_error", where="adoption", error=repr(exc))
 
 
 async def watch_custodian(holder: Holder, session: Session) -> None:
@@ -536,7 +602,7 @@ async def claim_unrecorded(holder: Holder, conn: Connection, sid: str,
     reading the terminal itself. The session becomes that app's again, under its name,
     held by this connection, and the holder stops reading it at once (two readers would
     split the output). None if the deposit is not such a claim, or the session changed
-    meanwhile."""
+    meanwhile (then it drains as before)."""
     registry = holder.registry
     if terminal is None:
         return None
@@ -546,14 +612,19 @@ async def claim_unrecorded(holder: Holder, conn: Connection, sid: str,
     if (session is None or session.state not in ("draining", "exited")
             or (key != session.key and key in registry.live)):
         return None
+    had_drain = session.has_drain()
     await session.stop_drain()
     if (registry.live.get(session.key) is not session or session.has_drain()
             or session.state not in ("draining", "exited") or session.fd < 0
             or (key != session.key and key in registry.live)):
+        if (had_drain and registry.live.get(session.key) is session and session.fd >= 0
+                and session.state == "draining" and not session.has_drain()):
+            session.start_drain(holder.nursery, "a claim of it fell through")
         return None
     was = session.name
     session.leave_event_loop()  # the app's flags back, before the app reads on
-    registry.rename(session, key)
+    if key != session.key:
+        registry.rename(session, key)
     session.record_lost = False
     session.label = ""
     session.custodian_pid = conn.peer_pid

@@ -45,7 +45,7 @@ def record_doubt(record: Record, file_size: int, total: int) -> str | None:
     if record.state not in LIVE_STATES and record.state not in protocol.TOMBSTONE_STATES:
         return f"its state {record.state!r} is not one of the states"
     top = pid_max()
-    for name in ("child_pid", "custodian_pid", "handoff_peer_pid"):
+    for name in ("custodian_pid", "handoff_peer_pid"):  # (child_pid: see `believed_child`)
         pid = getattr(record, name)
         if pid is not None and not 1 <= pid <= top:
             return f"{name} {pid} is not a pid (1 to {top})"
@@ -62,6 +62,13 @@ def record_doubt(record: Record, file_size: int, total: int) -> str | None:
     return _layout_doubt(record, file_size, total) or _size_doubt(record)
 
 
+def believed_child(pid: int | None) -> int | None:
+    """A record's `child_pid`, or None if it cannot be a pid here: its liveness is then
+    unknown, which is all a deposit's pid ever told (a deposit may name any pid up to
+    2^31 - 1, and `pid_max` may be lowered since)."""
+    return pid if pid is not None and 1 <= pid <= pid_max() else None
+
+
 def _layout_doubt(record: Record, file_size: int, total: int) -> str | None:
     cap = record.capacity
     if not 0 <= cap <= file_size:
@@ -70,7 +77,8 @@ def _layout_doubt(record: Record, file_size: int, total: int) -> str | None:
         return "the ring's layout does not fit its capacity"
     if not 0 <= record.total_at_layout <= total < MAX_TOTAL:
         return f"the ring's counter ({total}) is behind its layout or out of bounds"
-    if record.length_at_layout + total - record.total_at_layout > cap and not record.saturated:
+    if cap and record.length_at_layout + total - record.total_at_layout > cap and (
+            not record.saturated):
         # A ring holds more than its capacity only by overwriting, which it says first.
         return f"the ring's counter ({total}) runs past what its layout could hold"
     if not (0 <= record.consumed <= total and 0 <= record.dropped_base <= total):

@@ -141,6 +141,11 @@ class FdStore:
         Sent in order with removals, so that a removal never overtakes it."""
         if self.sock is None:
             return False
+        if self._pending:
+            # A removal waits for room: this would overtake it (and a removal of the same
+            # name, sent after, would drop it). Not stored, then; logged.
+            log("fd_store", action="store", name=name, reason="not stored: removals wait")
+            return False
         try:
             self.sock.sendmsg([f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0".encode()],
                               rights_for(fds), SEND_FLAGS)

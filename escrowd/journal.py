@@ -77,6 +77,7 @@ class JournalFile:
             raise
         self.fd, self.capacity = fd, capacity
         self._budget = budget
+        self.store_name: str | None = None  # the name the store keeps it under, if it does
         view = memoryview(self._mm)
         self.data = view[DATA_OFFSET:]
         self._counters = view[TOTAL_OFFSET : TOTAL_OFFSET + 8 * COUNTERS].cast("Q")
@@ -107,11 +108,13 @@ class JournalFile:
         return cls(fd, capacity, budget)
 
     @classmethod
-    def adopt(cls, fd: int, capacity: int, budget: Budget) -> JournalFile:
-        """The journal file a stopped holder left in the store, whose ring its record says
-        has `capacity` bytes (the file's own header is the app's to write: not believed)."""
+    def adopt(cls, fd: int, capacity: int, budget: Budget, store_name: str) -> JournalFile:
+        """The journal file a stopped holder left in the store under `store_name`, whose
+        ring its record says has `capacity` bytes (the file's own header is the app's to
+        write: not believed)."""
         file = cls(fd, capacity, budget)
         budget.take(capacity)
+        file.store_name = store_name
         return file
 
     def counters(self) -> tuple[int, int, int]:
@@ -138,14 +141,17 @@ def grant(session: Session) -> tuple[protocol.Journal, int] | None:
             return None
         try:
             file = JournalFile.create(capacity, ring.budget, session.private_dir)
-        except OSError:
+        except OSError as exc:  # out of fds or memory: escrowed all the same, no journal
             ring.budget.give_back(capacity)
-            raise
+            session.log("journal_refused", error=repr(exc))
+            return None
         session.journal = file
         # A copy for the store, so that a holder killed while the app journals can hand it
         # over again. Not waited for: the session is escrowed either way, and a journal
         # the next holder does not find is a marked gap, never a loss of the session.
-        session.store.store_nowait(journal_name(session.token), [file.fd])
+        name = journal_name(session.token)
+        if session.store.store_nowait(name, [file.fd]):
+            file.store_name = name
     total = file.counters()[0]
     layout = protocol.Journal(capacity=file.capacity, total=total,
                               position=total % file.capacity)
@@ -174,7 +180,7 @@ def end(session: Session) -> None:
         session.persist()
         session.log("journal_end", recorded=None, reason="the journal file is lost")
         return
-    skip, data, torn, doubt = _what_to_copy(file)
+    skip, data, torn, doubt = _what_to_copy(file, ring.total)
     if not session.journal_copying:
         session.journal_copying = True
         session.persist()  # a kill from here on: the next holder copies it all again
@@ -203,18 +209,20 @@ def end(session: Session) -> None:
 def close_journal(session: Session) -> None:
     """Let go of the session's journal file (the holder's copy and the store's)."""
     if session.journal is not None:
-        session.store.remove(journal_name(session.token))
+        if session.journal.store_name is not None:
+            session.store.remove(session.journal.store_name)
         session.journal.close()
         session.journal = None
 
 
-def _what_to_copy(file: JournalFile) -> tuple[int, memoryview, bool, str]:
-    """From the journal's counters, checked: how many bytes that left its ring are only
-    counted, the bytes it holds (oldest first; the caller releases the view), whether the
-    app died inside a write (torn), and any other doubt to mark (a reason, or "")."""
+def _what_to_copy(file: JournalFile, ours: int) -> tuple[int, memoryview, bool, str]:
+    """From the journal's counters, checked (`ours`: the ring's own count, which they add
+    to): how many bytes that left its ring are only counted, the bytes it holds (oldest
+    first; the caller releases the view), whether the app died inside a write (torn), and
+    any other doubt to mark (a reason, or "")."""
     total, writing, reading = file.counters()
     cap = file.capacity
-    if total >= _MAX_TOTAL:
+    if ours + total >= _MAX_TOTAL:
         return 0, memoryview(b""), False, f"a journal counter out of bounds ({total})"
     doubt = "a read was in flight" if reading else ""
     torn = writing > total

@@ -28,7 +28,7 @@ terminal a foreground escrowd runs in) does the same only while no session is st
 with sessions it keeps them all, and says how to stop for real (an interrupt once dropped
 every session without a word, while `escrowctl stop` refused the same without --force).
 Its holder ignores SIGINT. If that terminal goes away, the log goes on in `<socket>.log`
-(escrowd.log). SIGHUP replaces the holder
+(escrowd.log); the hangup its shell may pass on is no upgrade. SIGHUP replaces the holder
 with the installed code (`escrowctl upgrade`): the new code is tried first, the old holder
 stops in order, the new one adopts every session; if the new one fails, the fds stay here
 and it is retried with back-off. Every holder and trial run is started from `/` and
@@ -44,6 +44,7 @@ import resource
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -224,6 +225,10 @@ class Keeper:
                 log("keeper_stopping", reason=signal.Signals(signum).name)
                 self.stopping = True
                 self._stop_holder()
+            elif signum == signal.SIGHUP and _terminal_hung_up():
+                # The terminal this escrowd ran in was closed (its shell passes the hangup
+                # on): nothing to upgrade; it serves on, its log in <socket>.log.
+                log("keeper_terminal_gone", reason="serving on")
             elif signum == signal.SIGHUP and not self.stopping and not self.upgrading:
                 self._upgrade()
 
@@ -449,6 +454,22 @@ def _exec_holder(argv: list[str], fds: list[int], names: list[str],
     env.pop("NOTIFY_SOCKET", None)  # a variable meant for the keeper's own manager
     os.chdir(CHILD_CWD)
     os.execve(argv[0], argv, env)
+
+
+def _terminal_hung_up() -> bool:
+    """True if a terminal the keeper writes to (stdin, stdout, stderr) has hung up: then a
+    SIGHUP says that terminal closed, not `escrowctl upgrade`."""
+    for fd in (0, 1, 2):
+        try:
+            if not stat.S_ISCHR(os.fstat(fd).st_mode):
+                continue
+        except OSError:
+            continue
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & select.POLLHUP for _, events in poller.poll(0)):
+            return True
+    return False
 
 
 def _unpack(ancdata: list[tuple[int, int, bytes]]) -> tuple[list[int], int | None]:

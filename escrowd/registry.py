@@ -14,7 +14,7 @@ import msgspec
 from escrow_client.liveness import process_alive
 from escrow_client.protocol import SessionInfo
 
-from .fdstore import FdStore, session_name
+from .fdstore import FdStore
 from .ring import Ring, RingBudget
 from .session import Session
 from .statefile import Record, StateFile
@@ -104,7 +104,7 @@ class Registry:
         stored): no tombstone, as if it had never come."""
         assert self.live.get(session.key) is session
         del self.live[session.key]
-        self.store.remove(session_name(session.token))
+        self.store.remove(session.store_name)
         session.close()
 
     def bury(self, session: Session, state: str, reason: str, close: bool = True) -> None:
@@ -131,14 +131,15 @@ class Registry:
 
     def let_go(self, session: Session) -> None:
         """Close a buried session's copies: the holder's, and the store's."""
-        self.store.remove(session_name(session.token))
+        self.store.remove(session.store_name)
         session.close()
 
     def sessions(self, owner: str | None) -> list[SessionInfo]:
         """Live sessions and tombstones of `owner` (every owner if None). One session that
         cannot be described (a liveness question that failed, say) is listed without
         `child_alive`, and never keeps the others from being listed."""
-        infos = [_info(s) for s in self.live.values() if owner in (None, s.owner)]
+        infos = [_info(s) for s in self.live.values()
+                 if owner in (None, s.owner) and not s.storing]
         infos += [_fresh(t) for t in self.tombstones.values() if owner in (None, t[0].owner)]
         return infos
 

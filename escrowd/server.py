@@ -34,7 +34,7 @@ from . import __version__, handoff, journal
 from .adoption import Adoption, adopt, claim_unrecorded, watch_custodian
 from .config import Config
 from .connection import Connection, SendTimeout
-from .fdstore import HOLDER_NAME, FdStore, StoreError, session_name
+from .fdstore import HOLDER_NAME, FdStore, StoreError
 from .log import log
 from .registry import Registry, RegistryError
 from .session import Session
@@ -474,8 +474,10 @@ class Holder:
                           self.store, self.registry.private_dir)
         self.registry.add(session)
         # Answered only once both fds are safe outside this process (DESIGN §11).
+        session.storing = True
         try:
-            await self.store.store(session_name(session.token), [fd, ring.state.fd])
+            await self.store.store(session.store_name, [fd, ring.state.fd])
+            session.storing = False
         except StoreError as exc:
             log("deposit_refused", session=session.name, code="limit", reason=str(exc))
             self.registry.discard(session)

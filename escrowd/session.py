@@ -29,7 +29,7 @@ from escrow_client.platform import terminal_identity
 from escrow_client.protocol import Deposit, SessionInfo
 
 from . import journal
-from .fdstore import FdStore
+from .fdstore import FdStore, session_name
 from .journal import JournalFile
 from .log import log
 from .ring import Ring
@@ -69,6 +69,7 @@ class Session:
         private_dir: str | None = None,
     ) -> None:
         self.token = uuid.uuid4().hex  # names its fds in the store (escrowd.fdstore)
+        self.store_name = session_name(self.token)  # the name they are stored under
         self.instance = instance
         self.store = store if store is not None else FdStore(None)
         self.private_dir = private_dir  # where a journal file lives where there is no memfd
@@ -114,6 +115,9 @@ class Session:
         self._slice_used_up = False  # the last pull() stopped at `at_most`, not at empty
         self.watch_scope: trio.CancelScope | None = None  # an adopted custodian's watch
         self.adopted_handoff = False  # handing_off, begun by a holder that has stopped
+        # Deposited, its fds not yet confirmed stored: not listed (nothing may take it for
+        # escrowed, not even its own app asking whether its deposit arrived).
+        self.storing = False
 
     @classmethod
     def adopted(cls, fd: int, ring: Ring, record: Record, instance: str,
@@ -124,6 +128,7 @@ class Session:
         adopted; the caller resumes it by its state."""
         self = cls.__new__(cls)
         self.token, self.instance = record.token, instance
+        self.store_name = session_name(record.token)
         self.store = store if store is not None else FdStore(None)
         self.private_dir = private_dir
         self.owner, self.id, self.label = record.owner, record.id, record.label

@@ -25,6 +25,7 @@ and of two deposits stored under one owner and id, the newer is the session kept
 from __future__ import annotations
 
 import os
+import resource
 import select
 import socket
 import time
@@ -43,7 +44,7 @@ import trio.testing
 from escrow_client.platform import terminal_identity
 from escrowd.adoption import Adoption, adopt
 from escrowd.config import Config
-from escrowd.fdstore import HOLDER_NAME, FdStore, journal_name, session_name
+from escrowd.fdstore import HOLDER_NAME, FdStore, StoreError, journal_name, session_name
 from escrowd.server import Holder
 from escrowd.statefile import HolderRecord, Record, StateFile
 
@@ -423,3 +424,144 @@ async def test_a_journal_the_store_did_not_keep_is_a_gap(
         assert session.ring.contents() == REPLAY
     if kept != "nothing":
         assert journal_name(pair.token) in removals(store)
+
+
+class RefusingStore(FdStore):
+    """A store that takes nothing new (as one at its limit), and records the removals it
+    is sent."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.removed: list[str] = []
+
+    async def store(self, name: str, fds: list[int]) -> None:
+        raise StoreError("the store refused")
+
+    def remove(self, name: str) -> None:
+        self.removed.append(name)
+
+
+async def test_a_session_not_stored_apart_keeps_the_name_it_is_stored_under(
+    store: socket.socket, tmp_path: Path
+) -> None:
+    """Found in review: a session taken up without its record got a new token, which was
+    never stored when the store refused it: its release then removed a name the store did
+    not have, and the group holding its master stayed stored for good (a released terminal
+    that never hangs up, adopted again by the next holder)."""
+    master, slave = os.openpty()
+    spoilt = StateFile.create(Record, 1 << 20, "test")
+    group = session_name(uuid.uuid4().hex)
+    holder = Holder(Config(socket_path=str(tmp_path / "escrowd.sock")),
+                    RefusingStore(store.getsockname()))
+    try:
+        report = await adopt_now(holder, {group: [os.dup(master), os.dup(spoilt.fd)]})
+        (session,) = holder.registry.live.values()
+        assert session.store_name == group and report.without_record == 1
+        holder.registry.bury(session, "released", "test")
+        assert group in holder.store.removed, holder.store.removed  # type: ignore[attr-defined]
+        if report.holder_state is not None:
+            report.holder_state.close()
+    finally:
+        let_go(holder)
+        spoilt.close()
+        os.close(master)
+        os.close(slave)
+
+
+async def test_a_group_another_session_still_lives_in_is_not_removed(
+    pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """Found in review: of a group holding a copy of one terminal and the only copy of
+    another, the copy was dropped (the first terminal's believed session was elsewhere),
+    and with it the whole group, though the second terminal's session still lived there
+    (the store could not take it apart): at the next kill that terminal hung up."""
+    believed = pairs("tab", b"the screen\r\n")
+    other_master, other_slave = os.openpty()
+    group = session_name(uuid.uuid4().hex)
+    holder = Holder(Config(socket_path=str(tmp_path / "escrowd.sock")),
+                    RefusingStore(store.getsockname()))
+    try:
+        report = await adopt_now(holder, {
+            believed.name: believed.stored(),
+            group: [os.dup(believed.master), os.dup(other_master)]})
+        names = {s.name: s for s in holder.registry.live.values()}
+        assert (OWNER, "tab") in holder.registry.live and len(names) == 2, names
+        assert group not in holder.store.removed, "a group a session lives in was removed"  # type: ignore[attr-defined]
+        if report.holder_state is not None:
+            report.holder_state.close()
+    finally:
+        let_go(holder)
+        os.close(other_master)
+        os.close(other_slave)
+
+
+async def test_of_two_claims_to_a_name_the_believed_one_keeps_it(
+    pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path
+) -> None:
+    """Found in review: a copy taken up without its record but named by a whole slot is
+    dated now, so it took the name from the session whose record was believed."""
+    believed = pairs("tab", b"the screen\r\n", deposited_at=1000.0)
+    master, slave = os.openpty()
+    named = StateFile.create(Record, 1 << 20, "test")
+    token = uuid.uuid4().hex
+    named.write(Record(token=token, owner=OWNER, id="tab", state="bogus"))
+    try:
+        stored = {believed.name: believed.stored(),
+                  session_name(token): [os.dup(master), os.dup(named.fd)]}
+        async with adopting(tmp_path, stored, store) as (report, holder):
+            assert holder.registry.live[(OWNER, "tab")].token == believed.token
+            assert report.renamed == 1
+    finally:
+        named.close()
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_ring_with_no_storage_that_counted_bytes_is_believed() -> None:
+    """Found in review: a ring that got no storage (its owner's share used up) still
+    counts what it drains, with no layout to say so: its record was refused at the next
+    start, and the session taken up without it."""
+    from escrowd.bounds import record_doubt
+
+    record = Record(token=uuid.uuid4().hex, owner=OWNER, id="tab", capacity=0)
+    assert record_doubt(record, 1 << 20, 5000) is None
+
+
+async def test_a_master_that_cannot_be_taken_up_now_is_taken_up_later(
+    store: socket.socket, tmp_path: Path
+) -> None:
+    """Found in review: a master for which no state file could be made at adoption (the
+    holder out of fds) was kept open, but never read, listed or tried again. Now it is
+    tried again until it is a session, listed and drained; never closed."""
+    master, slave = os.openpty()
+    group = session_name(uuid.uuid4().hex)
+    holder = holder_with_store(tmp_path, store)
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    report: Adoption | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            holder._nursery = nursery
+            stored = {group: [os.dup(master)]}
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")),
+                                                        limits[1]))
+            try:
+                report = await adopt(holder, stored)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            assert report.held_back and not holder.registry.live, "taken up without fds?"
+            with trio.fail_after(10):
+                while not holder.registry.live:
+                    await trio.sleep(0.05)
+            (session,) = holder.registry.live.values()
+            assert session.store_name == group and session.replay_gaps == [0]
+            os.write(slave, b"read at last")
+            with trio.fail_after(10):
+                while session.ring.contents() != b"read at last":
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    finally:
+        let_go(holder)
+        if report is not None and report.holder_state is not None:
+            report.holder_state.close()
+        os.close(master)
+        os.close(slave)

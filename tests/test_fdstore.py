@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -319,3 +320,34 @@ def test_a_session_cap_the_store_cannot_hold_is_refused_or_lowered(
     holder = make_holder(env=env)
     assert holder.client().status().limits["max_sessions"] == 10
     assert holder.log_lines("limit"), holder.logs()
+
+
+def test_a_deposit_not_yet_stored_is_not_listed(
+    socket_dir: Path, store: Store, pty_children: Callable[..., PtyChild],
+) -> None:
+    """Found in review: while a deposit waited for the store, `list` showed it held by the
+    app: an app settling a deposit it got no answer to (DepositIndeterminate) took that for
+    proof it had arrived, and said it was protected, though the store then refused it and
+    the holder let it go. Nothing is listed before its fds are safe."""
+    holder = start(socket_dir / "a", store, [])
+    try:
+        store.take(timeout=5.0)
+        store.fill()
+        kid = pty_children(TICKER)
+        refused: list[BaseException] = []
+
+        def deposit() -> None:
+            try:
+                holder.client(timeout=STORE_DEADLINE + 5.0).hand_off("tab", kid.master,
+                                                                     child_pid=kid.pid)
+            except EscrowError as exc:
+                refused.append(exc)
+
+        depositing = threading.Thread(target=deposit)
+        depositing.start()
+        wait_for(lambda: holder.log_lines("state"), 5.0, "the deposit to reach the holder")
+        assert holder.client().list() == [], "listed before its fds were stored"
+        depositing.join(STORE_DEADLINE + 10)
+        assert len(refused) == 1 and holder.client().list() == []
+    finally:
+        holder.stop()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from conftest import PtyChild, spawn_in_pty, wait_for
-from escrow_client import EscrowClient, EscrowError
+from escrow_client import EscrowClient, EscrowError, HolderStatus
 
 BIN = Path(sys.executable).parent
 
@@ -106,3 +106,46 @@ def test_ctrl_c_with_nothing_escrowed_stops(socket_dir: Path) -> None:
             term.proc.kill()
             term.proc.wait()
         os.close(term.master)
+
+
+def test_a_closed_terminal_whose_shell_passes_the_hangup_on_is_no_upgrade(
+    socket_dir: Path, pty_children: Callable[..., PtyChild],
+) -> None:
+    """Found in review: escrowd started from an interactive shell, its terminal closed: the
+    shell passes SIGHUP on to its jobs (keeper and holder alike), the holder died of it and
+    the keeper took its own SIGHUP for `escrowctl upgrade`. Now the holder ignores it, and
+    the keeper sees its terminal hung up: the same holder serves on, nothing restarted."""
+    sock = str(socket_dir / "fg" / "escrowd.sock")
+    # A session leader that passes the hangup on to its process group, as bash does.
+    term = spawn_in_pty(["sh", "-c", f"trap 'kill -HUP 0' HUP; {BIN / 'escrowd'} --socket "
+                         f"{sock} & wait; wait"], cols=200)
+    try:
+        client = EscrowClient("com.example.term", socket_path=sock)
+        first = wait_for(lambda: _status(client), 15.0, "escrowd to serve")
+        kid = pty_children(["sh", "-c", "exec sleep 600"])
+        client.hand_off("tab", kid.master, child_pid=kid.pid)
+        os.close(term.master)
+        term.master = -1
+        log_file = Path(sock + ".log")
+        wait_for(lambda: log_file.exists() and "keeper_terminal_gone" in log_file.read_text(),
+                 15.0, "the keeper to see its terminal gone")
+        after = _status(client)
+        assert after is not None and after.instance == first.instance, (
+            "the holder was replaced when the terminal closed")
+        assert "event=upgrade" not in log_file.read_text()
+        client.release("tab")
+    finally:
+        status = _status(EscrowClient("escrowctl", socket_path=sock, timeout=1.0))
+        if status is not None and status.keeper_pid:
+            os.kill(status.keeper_pid, signal.SIGTERM)
+            wait_for(lambda: _status(client) is None, 15.0, "escrowd to stop")
+        term.kill()
+        if term.master >= 0:
+            os.close(term.master)
+
+
+def _status(client: EscrowClient) -> HolderStatus | None:
+    try:
+        return client.status()
+    except EscrowError:
+        return None

@@ -368,3 +368,20 @@ def test_a_copy_a_kill_cut_short_is_made_again_from_an_empty_ring(session: Sessi
     assert session.ring.contents() == recorded
     assert session.replay_gaps == [0], "no gap where the ring's bytes could not be told"
     assert not session.journal_copying and session.journal is None
+
+
+def test_a_journal_counter_that_would_carry_the_ring_past_its_bounds_is_not_believed(
+    session: Session,
+) -> None:
+    """Found in review: the journal's `total` was held to its bound alone, not added to the
+    ring's own count: a few custodies that each claimed 2^62 - 1 bytes carried the ring's
+    counter past what its record may say (the next holder refused the record) and then past
+    64 bits (an exception on the path that drains a session whose app died)."""
+    session.ring.skip((1 << 62) - 1000)
+    before = session.ring.total
+    writer = writer_for(session)
+    writer.record(b"x" * 100)
+    writer.close()
+    counters(session)[0] = counters(session)[1] = 5000
+    journal.end(session)
+    assert session.ring.total == before and session.replay_gaps == [0]

@@ -120,7 +120,7 @@ def test_whatever_is_written_into_state_files_the_next_holder_serves(
                 paths[record.id] = path
         damaged = {f"s{n}" for n, how in enumerate(damages) if _damage(paths[f"s{n}"], how)}
         may_end = {f"s{n}" for n, how in enumerate(damages) if how[0] == "record"
-                   and isinstance(how[1], dict) and how[1].get("state") in ENDED}
+                   and isinstance(how[1], dict) and str(how[1].get("state")) in ENDED}
         starts = len(holder.log_lines("keeper_started_holder"))
         kill_and_wait(holder)
         listed = live(holder.client("escrowctl").list(all_owners=True))

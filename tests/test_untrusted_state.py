@@ -92,7 +92,6 @@ FORGED = {
     "custodian_pid 2^40": dict(state="held", custodian_pid=1 << 40),
     "handoff_peer_pid 2^40": dict(state="handing_off", handoff_id="h", handoff_peer_pid=1 << 40),
     "meta near the slot size": dict(meta={f"k{i}": "v" * (BIG_SLOT // 40) for i in range(32)}),
-    "child_pid -5": dict(child_pid=-5),
     "state bogus": dict(state="bogus"),
     "capacity 2^40": dict(capacity=1 << 40),
     "saved_flags -1": dict(saved_flags=-1),
@@ -125,6 +124,22 @@ def test_a_forged_record_costs_only_that_record(
         assert got.replay.startswith(b"I am bystander"), got.replay
     finally:
         os.close(got.fd)
+
+
+def test_a_child_pid_that_cannot_be_a_pid_is_unknown(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """`child_pid` -5 (or past `pid_max`, which a deposit may name, or a sysctl may have
+    lowered since): the record is believed all the same, with `child_alive` unknown, and
+    every all-owners `list` answers (it closed the connection)."""
+    holder = make_holder(keeper=True)
+    victim = deposit(holder, pty_children, "victim")
+    (path,) = state_files(holder.serving_pid()).values()
+    forge(path, child_pid=-5)
+    kill_and_wait(holder)
+    (info,) = live(assert_serves(holder, 2))
+    assert (info.label, info.child_pid, info.child_alive) == ("", None, None), info
+    assert victim.proc.poll() is None
 
 
 def test_a_counter_far_past_the_layout_is_not_believed(
@@ -207,3 +222,31 @@ def test_restart_counts_that_cannot_be_read_are_unknown(
     assert_serves(holder, 3)
 
 
+
+
+def test_an_app_whose_record_was_lost_takes_its_session_back_under_its_name(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+) -> None:
+    """Found in review: a session adopted without its record but under its own name (a
+    whole slot still said it) could not be taken back by its app, whose custody outlived
+    the holder: the claim failed on the name it already had, the holder had stopped
+    reading it, and nobody read the terminal. Now the app's deposit takes it back: held by
+    the app again, protected, and the holder never read it (no second reader)."""
+    holder = make_holder(keeper=True)
+    kid = pty_children(["sh", "-c", "exec cat"])
+    custody = holder.client().custody()
+    try:
+        custody.deposit("victim", kid.master, child_pid=kid.pid)
+        (path,) = state_files(holder.serving_pid()).values()
+        forge(path, custodian_pid=-5)  # not believed: adopted without its record
+        kill_and_wait(holder)
+        wait_for(lambda: custody.protected, 10.0, "custody to take the session back")
+        (info,) = live(holder.client().list())
+        assert (info.id, info.state, info.label) == ("victim", "held", ""), info
+        assert info.custodian_pid == os.getpid()
+        assert not holder.log_lines("internal_error"), holder.logs()[-2000:]
+        os.write(kid.master, b"typed\n")  # cat echoes it: the app reads it, the holder not
+        wait_for(lambda: b"typed" in os.read(kid.master, 1024), 5.0, "the app to read")
+        assert live(holder.client().list())[0].buffered_bytes == 0, "the holder read it too"
+    finally:
+        custody.close()
