@@ -180,7 +180,11 @@ class Channel:
     ) -> tuple[protocol.Response, list[int]]:
         if self._out_of_step:
             self._resync(deadline)
-        self.send(message, deadline, fd)
+        try:
+            self.send(message, deadline, fd)
+        except errors.EscrowError as exc:
+            exc.request_sent = False  # not all of it left: the holder cannot act on it
+            raise
         return self.receive(deadline)
 
     def finish(self, deadline: Deadline) -> None:

@@ -539,6 +539,8 @@ class Custody:
 def _maybe_received(exc: errors.EscrowError) -> bool:
     """Whether a request that failed this way may have reached the holder: sent, then the
     connection dropped, the deadline passed, or the answer made no sense."""
+    if not exc.request_sent:
+        return False
     if isinstance(exc, errors.HolderUnavailable):
         return exc.dropped
     if isinstance(exc, errors.HolderUnresponsive):

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 
 class EscrowError(Exception):
+    """`request_sent` is False when the call failed before its request had wholly left
+    (then the holder cannot have acted on it)."""
+
     code = "error"
+    request_sent = True
 
     def __init__(self, message: str, session_id: str | None = None) -> None:
         super().__init__(message)
