@@ -535,7 +535,9 @@ class Chaos:
         print(f"chaos: cycle {self.cycles}: {sid}: {why}", file=sys.stderr)
 
     def logged_handed_off(self, handoff_id: str) -> bool:
-        """The holder's log says the handoff `handoff_id` completed (`handed_off`)."""
+        """A holder's log says the handoff `handoff_id` completed (`handed_off`): the one
+        that completed it, or the next one, which found it recorded so (a kill may fall
+        between the record and its log line)."""
         if self.holder.log_path is None:
             return False
         with open(self.holder.log_path, errors="replace") as log:

@@ -232,9 +232,12 @@ async def _take_up(holder: Holder, name: str, fds: list[int], journals: dict[str
             state, record = records.pop(0)
             if record.state in TOMBSTONE_STATES:
                 state.close()
+                # (With the handoff it names: the holder that recorded it may have died
+                # before it logged it.)
                 _refuse(holder, name, [master], f"{record.owner}/{record.id} ended "
                         f"({record.state}) before its fds left the store", report,
-                        remove=len(masters) == 1)
+                        remove=len(masters) == 1, state=record.state,
+                        handoff_id=record.handoff_id)
                 continue
             try:
                 session = _as_recorded(holder, master, state, record, journals)
@@ -555,12 +558,12 @@ async def _await_adopted_ack(holder: Holder, session: Session) -> None:
 
 
 def _refuse(holder: Holder, name: str, fds: list[int], why: str, report: Adoption,
-            remove: bool = True) -> None:
+            remove: bool = True, **fields: object) -> None:
     close_fds(fds)
     if remove:
         holder.store.remove(name)
     report.refused += 1
-    log("adopt_refused", name=name, reason=why)
+    log("adopt_refused", name=name, reason=why, **fields)
 
 
 def _sort(fds: list[int]) -> tuple[list[int], list[int], list[int]]:

@@ -565,3 +565,19 @@ async def test_a_master_that_cannot_be_taken_up_now_is_taken_up_later(
             report.holder_state.close()
         os.close(master)
         os.close(slave)
+
+
+async def test_a_handoff_recorded_complete_but_never_logged_is_logged_at_adoption(
+    pairs: Callable[..., StoredPair], store: socket.socket, tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A holder killed between recording a handoff complete and logging it left no line
+    to say who has the terminal (`bench/chaos.py --kill-holder` counted that session lost).
+    The next holder, which finds it recorded so, logs it with its handoff id."""
+    pair = pairs(state="handed_off", handoff_id="5f0c6a1e9b2d4c7f8a3e6b1d0c9f2a74")
+    async with adopting(tmp_path, {pair.name: pair.stored()}, store) as (report, _):
+        assert report.refused == 1
+    refused = [line for line in capfd.readouterr().err.splitlines()
+               if "event=adopt_refused" in line]
+    assert any(" state=handed_off handoff_id=5f0c6a1e9b2d4c7f8a3e6b1d0c9f2a74" in line
+               for line in refused), refused
