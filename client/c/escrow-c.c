@@ -1,8 +1,9 @@
 /* escrow-c: a small command-line driver for the C client, run by the test suite.
  *
- * It includes escrow.c instead of linking it, so that `encode` and `decode` can reach the
- * codec to check it against the protocol's test vectors; every other command goes through
- * escrow.h exactly as an app would.
+ * It links the library built with ESCROW_FULL_CODEC, and includes escrow_internal.h, so that
+ * `encode` and `decode` can reach the codec (the encoders of retrieve_many and ack_many and
+ * the decoder of done_many too) to check it against the protocol's test vectors; every other
+ * command goes through escrow.h exactly as an app would.
  *
  * Output: JSON on stdout for what was asked (the terminal's raw bytes for `app` and
  * `retrieve`), and JSON lines on stderr: an error ({"type": "error", "code": ...}, with the
@@ -10,10 +11,21 @@
  * an fd left open at exit (a leak: printed as {"leaked_fds": [...]}), 99 the terminal failing
  * to give the output asked for.
  */
-#define ESCROW_FULL_CODEC /* the codec of retrieve_many, ack_many and done_many too */
-#include "escrow.c"
+#include "escrow_internal.h"
 
+#ifndef ESCROW_FULL_CODEC
+#error "build escrow-c with -DESCROW_FULL_CODEC: encode and decode reach the whole codec"
+#endif
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 static const char usage[] =
     "usage: escrow-c [--socket PATH] [--owner OWNER] [--timeout SECONDS] COMMAND [ARG...]\n"
@@ -168,10 +180,10 @@ static int failed(escrow_code rc, const escrow_error *e) {
 /* Copy what `fd` says to stdout until `stop(seen so far)` holds; 10 s at most. */
 static int copy_until(int fd, int (*stop)(const char *, size_t, const void *), const void *arg,
                       char **seen, size_t *len) {
-    double deadline = now() + 10.0;
+    double deadline = escrow__now() + 10.0;
     while (!stop(*seen, *len, arg)) {
         struct pollfd p = {.fd = fd, .events = POLLIN, .revents = 0};
-        int ms = ms_left(deadline);
+        int ms = escrow__ms_left(deadline);
         if (ms == 0 || poll(&p, 1, ms) < 0) return -1;
         if (p.revents == 0) continue;
         char buf[4096];
@@ -375,48 +387,47 @@ static int cmd_encode(int argc, char **argv) {
         snprintf(c.owner, sizeof c.owner, "%s", argv[1]);
         snprintf(c.client_name, sizeof c.client_name, "%s", argv[2]);
         c.timeout = atof(argv[3]);
-        rc = encode_hello(&o, &c, &err);
+        rc = escrow__encode_hello(&o, &c, &err);
     } else if (strcmp(type, "deposit") == 0 && argc >= 7) {
         escrow_meta meta[ESCROW_META_MAX];
         escrow_deposit_opts opts = {argv[2], atoll(argv[3]), atoll(argv[4]), atoll(argv[5]),
                                     meta, 0};
         bad = parse_bool(argv[6], &journal) != 0 ||
               parse_meta(argc - 7, argv + 7, meta, &opts.meta_count) != 0;
-        if (!bad) rc = encode_deposit(&o, argv[1], &opts, journal, &err);
+        if (!bad) rc = escrow__encode_deposit(&o, argv[1], &opts, journal, &err);
     } else if (strcmp(type, "release") == 0 && argc == 2) {
-        rc = encode_id(&o, type, argv[1], &err);
+        rc = escrow__encode_id(&o, type, argv[1], &err);
     } else if (strcmp(type, "retrieve") == 0 && argc == 4) {
         bad = parse_bool(argv[2], &keep) != 0 || parse_bool(argv[3], &journal) != 0;
-        if (!bad) rc = encode_retrieve(&o, argv[1], keep, journal, &err);
+        if (!bad) rc = escrow__encode_retrieve(&o, argv[1], keep, journal, &err);
     } else if (strcmp(type, "retrieve_many") == 0 && argc >= 4) {
         bad = parse_bool(argv[1], &keep) != 0 || parse_bool(argv[2], &journal) != 0;
         if (!bad)
-            rc = encode_retrieve_many(&o, (const char *const *)argv + 3, (size_t)argc - 3, keep,
-                                      journal, &err);
+            rc = escrow__encode_retrieve_many(&o, (const char *const *)argv + 3,
+                                              (size_t)argc - 3, keep, journal, &err);
     } else if (strcmp(type, "ack") == 0 && argc == 4) {
         bad = parse_bool(argv[3], &keep) != 0;
-        if (!bad) rc = encode_ack(&o, argv[1], argv[2], keep, &err);
+        if (!bad) rc = escrow__encode_ack(&o, argv[1], argv[2], keep, &err);
     } else if (strcmp(type, "ack_many") == 0 && argc >= 3) {
         const char **ids = calloc((size_t)argc, sizeof *ids);
         const char **handoff_ids = calloc((size_t)argc, sizeof *handoff_ids);
         size_t n = 0;
         bad = ids == NULL || handoff_ids == NULL || parse_bool(argv[1], &keep) != 0 ||
               parse_pairs(argc - 2, argv + 2, ids, handoff_ids, (size_t)argc, &n) != 0;
-        if (!bad) rc = encode_ack_many(&o, ids, handoff_ids, n, keep, &err);
+        if (!bad) rc = escrow__encode_ack_many(&o, ids, handoff_ids, n, keep, &err);
         free(ids);
         free(handoff_ids);
     } else if (strcmp(type, "update") == 0 && argc >= 4) {
         update_args u;
         bad = parse_update(argc - 2, argv + 2, &u) != 0;
         if (!bad)
-            rc = encode_update(&o, argv[1], u.cols, u.rows, u.meta_given ? u.meta : NULL,
-                               u.meta_count, &err);
+            rc = escrow__encode_update(&o, argv[1], u.cols, u.rows,
+                                       u.meta_given ? u.meta : NULL, u.meta_count, &err);
     } else if (strcmp(type, "list") == 0 && argc == 2) {
         bad = parse_bool(argv[1], &keep) != 0;
-        if (!bad) rc = encode_list(&o, keep, &err);
+        if (!bad) rc = escrow__encode_list(&o, keep, &err);
     } else if (strcmp(type, "status") == 0 && argc == 1) {
-        begin(&o, "status", 0);
-        rc = finish(&o, &err);
+        rc = escrow__encode_status(&o, &err);
     } else {
         bad = 1;
     }
@@ -464,26 +475,26 @@ static int cmd_decode(const char *hex) {
     }
     f.body = raw + 4;
     f.len = n - 4;
-    int r = frame_type(f.body, f.len, f.type);
+    int r = escrow__frame_type(f.body, f.len, f.type);
     if (r == 0 && strcmp(f.type, "welcome") == 0) {
         escrow_welcome w;
-        if ((r = decode_welcome(&f, &w)) == 0) json_welcome(stdout, &w);
+        if ((r = escrow__decode_welcome(&f, &w)) == 0) json_welcome(stdout, &w);
     } else if (r == 0 && (strcmp(f.type, "released") == 0 || strcmp(f.type, "done") == 0 ||
                           strcmp(f.type, "updated") == 0)) {
         char id[ESCROW_NAME_MAX + 1];
-        if ((r = decode_id(&f, id)) == 0)
+        if ((r = escrow__decode_id(&f, id)) == 0)
             printf("{\"type\": \"%s\", \"id\": ", f.type), json_str(stdout, id), printf("}\n");
     } else if (r == 0 && strcmp(f.type, "deposited") == 0) {
         char id[ESCROW_NAME_MAX + 1];
         journal_info j;
-        if ((r = decode_deposited(&f, id, &j)) == 0) {
+        if ((r = escrow__decode_deposited(&f, id, &j)) == 0) {
             printf("{\"type\": \"deposited\", \"id\": "), json_str(stdout, id);
             printf(", \"journal\": "), json_journal(stdout, &j), printf("}\n");
         }
     } else if (r == 0 && strcmp(f.type, "done_many") == 0) {
         char (*ids)[ESCROW_NAME_MAX + 1] = NULL;
         size_t count = 0;
-        if ((r = decode_done_many(&f, &ids, &count)) == 0) {
+        if ((r = escrow__decode_done_many(&f, &ids, &count)) == 0) {
             printf("{\"type\": \"done_many\", \"ids\": [");
             for (size_t i = 0; i < count; i++)
                 fputs(i > 0 ? ", " : "", stdout), json_str(stdout, ids[i]);
@@ -494,7 +505,7 @@ static int cmd_decode(const char *hex) {
         escrow_retrieved got;
         journal_info j;
         memset(&got, 0, sizeof got);
-        if ((r = decode_handoff(&f, &got, &j)) == 0) {
+        if ((r = escrow__decode_handoff(&f, &got, &j)) == 0) {
             printf("{\"type\": \"handoff\", \"handoff_id\": "), json_str(stdout, got.handoff_id);
             printf(", \"session\": "), json_session(stdout, &got.session);
             printf(", \"replay\": "), json_hex(stdout, got.replay, got.replay_len);
@@ -508,20 +519,20 @@ static int cmd_decode(const char *hex) {
     } else if (r == 0 && strcmp(f.type, "sessions") == 0) {
         escrow_session *s = NULL;
         size_t count = 0;
-        if ((r = decode_sessions(&f, &s, &count)) == 0) json_sessions(stdout, s, count);
+        if ((r = escrow__decode_sessions(&f, &s, &count)) == 0) json_sessions(stdout, s, count);
         escrow_sessions_free(s, count);
     } else if (r == 0 && strcmp(f.type, "holder_status") == 0) {
         escrow_status s;
-        if ((r = decode_status(&f, &s)) == 0) json_status(stdout, &s);
+        if ((r = escrow__decode_status(&f, &s)) == 0) json_status(stdout, &s);
     } else if (r == 0 && strcmp(f.type, "error") == 0) {
         escrow_error e;
         memset(&e, 0, sizeof e);
-        if ((r = decode_error_fields(&f, &e)) == 0) json_error(stdout, &e);
+        if ((r = escrow__decode_error_fields(&f, &e)) == 0) json_error(stdout, &e);
     } else {
         r = -1;
     }
-    /* What recv_frame would insist on: the fds this message must come with (section 4). */
-    if (r == 0) fprintf(stderr, "{\"fds\": %zu}\n", fds_carried(&f));
+    /* What escrow__recv_frame would insist on: the fds this message must come with (section 4). */
+    if (r == 0) fprintf(stderr, "{\"fds\": %zu}\n", escrow__fds_carried(&f));
     free(raw);
     if (r != 0) fprintf(stderr, "decode: not a valid %s\n", f.type[0] ? f.type : "message");
     return r == 0 ? 0 : (int)ESCROW_PROTOCOL;

@@ -1,7 +1,8 @@
 /* escrow.h: a C client for escrowd, the fd-escrow holder (wire protocol version 1).
  *
  * Written from PROTOCOL.md; C11 and libc only. It is the reference for ports to Swift, Rust
- * and Zig: every section of escrow.c names the PROTOCOL.md section it implements.
+ * and Zig: every file of it, and every section in them, names the PROTOCOL.md section it
+ * implements (escrow_internal.h lists the files, and what each is for).
  *
  * Every call:
  * - has a deadline: `timeout` seconds from the call's start (connect, hello and every frame

@@ -1,0 +1,162 @@
+/* escrow_internal.h: what the files of the C client share with each other; no app includes it.
+ *
+ * The client is five files, one concern each, read in this order; each uses only the files
+ * above it, and every section in them names the PROTOCOL.md section it implements:
+ *
+ *   escrow_errors.c   errors and deadlines: the codes (section 9), and every wait a poll
+ *                     bounded by the time left (sections 1.5 and 12.1)
+ *   escrow_codec.c    MessagePack by hand (section 3), the messages (section 7), and how
+ *                     many fds each message comes with (section 4's table)
+ *   escrow_frames.c   frames, and the fds that ride on them (sections 2 and 4, and 1.4's
+ *                     error read after EPIPE)
+ *   escrow_connect.c  the socket's path, the trust checks, connect (section 1), hello and
+ *                     welcome, one request at a time (section 5), the timeout invariant
+ *                     (section 12.1)
+ *   escrow.c          the calls of escrow.h: custody, deposit, release, update, the
+ *                     hand-off, list, status, retrieve (sections 8, 10, 11 and 12)
+ *
+ * A port reads them in that order; one whose language has MessagePack skips the first
+ * section of escrow_codec.c.
+ *
+ * The fds: a socket is the connection's (`conn.sock`) from escrow__connect_greet until
+ * escrow__conn_close; a received fd is its frame's (`frame.fds`) until escrow__frame_free
+ * closes it, unless a call takes it out of the frame first (only escrow_retrieve does, for
+ * the master it hands back). A function that fails has closed whatever it opened.
+ *
+ * Every function here has external linkage, so its name carries the prefix `escrow__`: an
+ * app links these objects next to its own names, and none may clash. A function without the
+ * prefix is escrow.h's, or static: private to its file. Include this header first: it sets
+ * what the system headers must see before they are read.
+ */
+#ifndef ESCROW_INTERNAL_H
+#define ESCROW_INTERNAL_H
+
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* SOCK_CLOEXEC, MSG_CMSG_CLOEXEC, struct ucred for SO_PEERCRED */
+#endif
+
+#include "escrow.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#ifdef MSG_NOSIGNAL
+#define SEND_FLAGS MSG_NOSIGNAL /* a holder that hung up gives EPIPE, not SIGPIPE */
+#else
+#define SEND_FLAGS 0 /* macOS: SO_NOSIGPIPE is set on the socket instead */
+#endif
+#ifdef MSG_CMSG_CLOEXEC
+#define RECV_FLAGS MSG_CMSG_CLOEXEC /* received fds are close-on-exec from birth */
+#else
+#define RECV_FLAGS 0 /* macOS: FD_CLOEXEC is set right after recvmsg */
+#endif
+
+#define MAX_FDS_SEEN 8 /* room for more than one: too many are seen, and closed */
+
+#ifdef __GNUC__
+#define PRINTF_LIKE(f, a) __attribute__((format(printf, f, a)))
+#else
+#define PRINTF_LIKE(f, a)
+#endif
+
+/* ---- escrow_errors.c: errors and deadlines ---------------------------------------------- */
+
+/* Fill `err` (when there is one) and return `code`. */
+escrow_code PRINTF_LIKE(5, 6)
+escrow__fail(escrow_error *err, escrow_code code, int sys_errno, const char *id,
+             const char *fmt, ...);
+/* The code an `error` frame names; ESCROW_OTHER for one newer than this client. */
+escrow_code escrow__code_from_name(const char *name);
+double escrow__now(void); /* CLOCK_MONOTONIC, in seconds: every deadline is on it */
+int escrow__ms_left(double deadline);
+int escrow__wait_io(int sock, short events, double deadline);
+escrow_code escrow__io_failed(escrow_error *err, int e, const char *what);
+
+/* ---- escrow_codec.c: the bytes of every message ----------------------------------------- */
+
+/* A request being written: a growing buffer, its frame header first. */
+typedef struct mp_out {
+    unsigned char *data;
+    size_t len, cap;
+    int failed; /* out of memory: every later put is ignored, and the frame is refused */
+} mp_out;
+
+/* One frame as it arrived: its body, its `type`, and every fd that came with it. */
+typedef struct frame {
+    unsigned char *body;
+    size_t len;
+    char type[16];
+    int fds[MAX_FDS_SEEN]; /* the first fds received; any beyond are closed at once */
+    size_t nfds;           /* how many arrived in all */
+} frame;
+
+/* A Journal (section 10.6) | nil: where an app that journals writes. The API asks for none,
+ * so it only reads one (and closes the journal file that comes with it). */
+typedef struct journal_info {
+    int set; /* 0: nil */
+    int64_t capacity, total, position;
+} journal_info;
+
+/* Requests: each writes a whole frame into `o` (free o->data after, whatever the result). */
+escrow_code escrow__encode_hello(mp_out *o, const escrow_client *c, escrow_error *err);
+escrow_code escrow__encode_deposit(mp_out *o, const char *id, const escrow_deposit_opts *opts,
+                                   int journal, escrow_error *err);
+escrow_code escrow__encode_id(mp_out *o, const char *type, const char *id, escrow_error *err);
+escrow_code escrow__encode_retrieve(mp_out *o, const char *id, int keep, int journal,
+                                    escrow_error *err);
+escrow_code escrow__encode_ack(mp_out *o, const char *id, const char *handoff_id, int keep,
+                               escrow_error *err);
+escrow_code escrow__encode_update(mp_out *o, const char *id, int64_t cols, int64_t rows,
+                                  const escrow_meta *meta, size_t meta_count,
+                                  escrow_error *err);
+escrow_code escrow__encode_list(mp_out *o, int all_owners, escrow_error *err);
+escrow_code escrow__encode_status(mp_out *o, escrow_error *err);
+
+/* What a frame is, and how many fds it must come with (section 4). */
+int escrow__frame_type(const unsigned char *body, size_t len, char type[16]);
+size_t escrow__fds_carried(const frame *f);
+
+/* Answers: 0, or -1 when the body is not that message. */
+int escrow__decode_welcome(const frame *f, escrow_welcome *w);
+int escrow__decode_id(const frame *f, char id[ESCROW_NAME_MAX + 1]);
+int escrow__decode_deposited(const frame *f, char id[ESCROW_NAME_MAX + 1], journal_info *j);
+int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j);
+int escrow__decode_sessions(const frame *f, escrow_session **out, size_t *count);
+int escrow__decode_status(const frame *f, escrow_status *s);
+int escrow__decode_error_fields(const frame *f, escrow_error *e);
+/* An `error` frame, as the escrow_code it names (ESCROW_OTHER for a code newer than us). */
+escrow_code escrow__decode_error(const frame *f, escrow_error *err);
+
+#ifdef ESCROW_FULL_CODEC
+/* Messages the API neither sends nor receives (it offers no retrieve_many), written out for
+ * ports and checked against the test vectors: escrow-c.c is built with ESCROW_FULL_CODEC. */
+escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
+                                         int keep, int journal, escrow_error *err);
+escrow_code escrow__encode_ack_many(mp_out *o, const char *const *ids,
+                                    const char *const *handoff_ids, size_t count, int keep,
+                                    escrow_error *err);
+int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1],
+                             size_t *count);
+#endif
+
+/* ---- escrow_frames.c: frames, and the fds that ride on them ----------------------------- */
+
+void escrow__frame_free(frame *f); /* closes every fd still in the frame */
+escrow_code escrow__recv_frame(int sock, double deadline, frame *f, escrow_error *err);
+escrow_code escrow__send_frame(int sock, const unsigned char *data, size_t len, int fd,
+                               double deadline, escrow_error *err);
+
+/* ---- escrow_connect.c: a greeted connection --------------------------------------------- */
+
+typedef escrow_custody conn; /* any greeted connection; a custody is one that deposited */
+
+escrow_code escrow__connect_greet(const escrow_client *cl, conn *c, double deadline,
+                                  escrow_error *err);
+void escrow__conn_close(conn *c);
+escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double deadline,
+                         frame *f, escrow_error *err);
+escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const char *id,
+                                        escrow_error *err);
+
+#endif
