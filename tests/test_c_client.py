@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,6 +53,7 @@ SANITIZER_ENV = {
 class Build:
     plain: Path
     sanitized: Path
+    library: tuple[Path, ...]  # the library's objects (C11), as an app links them
 
 
 def _compile(*args: str) -> None:
@@ -71,7 +73,8 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
         _compile("-std=c11", *WARNINGS, "-O2", "-c", source, "-o", str(out / f"{stem}.o"))
         _compile("-std=c99", *WARNINGS, "-O2", "-c", source, "-o", str(out / f"{stem}99.o"))
     # The driver reaches the whole codec, retrieve_many's and done_many's too.
-    built = Build(out / "escrow-c", out / "escrow-c-san")
+    built = Build(out / "escrow-c", out / "escrow-c-san",
+                  tuple(out / f"{source.removesuffix('.c')}.o" for source in LIBRARY))
     driver = ["-DESCROW_FULL_CODEC", "escrow-c.c", *LIBRARY]
     _compile("-std=c11", *WARNINGS, "-O2", *driver, "-o", str(built.plain))
     _compile("-std=c11", *WARNINGS, "-O1", "-g", *SANITIZERS, *driver, "-o",
@@ -126,6 +129,22 @@ def expect_error(run: Run, code: str, id: str | None = None) -> dict[str, Any]:
         assert error["id"] == id, error
     assert error["message"], "an error says why"
     return error
+
+
+# --- the library as an app links it ---------------------------------------------------------------
+
+
+def test_the_library_defines_the_api_and_names_no_app_could_clash_with(build: Build) -> None:
+    """The objects define every function escrow.h declares, and beyond them only names with
+    the escrow__ prefix of escrow_internal.h: nothing else reaches an app's link."""
+    result = subprocess.run(["nm", "-g", *map(str, build.library)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    lines = [line.split() for line in result.stdout.splitlines()]
+    # An external symbol the objects define: "address type name" (macOS: "_escrow_list").
+    defined = {f[2].removeprefix("_") for f in lines if len(f) == 3 and f[1] != "U"}
+    declared = set(re.findall(r"\b(escrow_[a-z_]+)\(", (SOURCE / "escrow.h").read_text()))
+    assert sorted(name for name in defined if not name.startswith("escrow__")) == sorted(declared)
 
 
 # --- both directions with a real holder ---------------------------------------------------------
