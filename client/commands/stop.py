@@ -2,19 +2,17 @@
 SIGTERM to its keeper (which stops the holder, then closes every stored fd), or to a bare
 holder.
 
-What is signalled is proven twice (escrow_client.control): the holder's own `status`
-answer on a live connection, and the lock's holder (F_GETLK). Without an answer nothing is
-signalled. Every outcome has an exit status of its own (below, and in `--help`).
+`escrow_client.control` does the work: it proves what to signal twice (the holder's own
+`status` answer on a live connection, and the lock's holder, F_GETLK), says what refuses a
+stop, signals and waits. Without an answer nothing is signalled. This verb says what
+happened; every outcome has an exit status of its own (below, and in `--help`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import time
 
-from .. import control, liveness, paths, protocol
+from .. import control, paths
 from ..liveness import STATUS_TIMEOUT, holder_verdict
 from . import Failed
 from .arguments import add_sub_timeout, positive
@@ -72,25 +70,24 @@ def run(args: argparse.Namespace) -> int:
     except control.NotProven as exc:
         raise Failed(f"not stopping the holder on {socket_path}: {exc}; nothing was "
                      "signalled", STOP_CANNOT_TELL) from None
-    if verdict.holder is not None and verdict.holder.fd_store == "systemd":
+    live = control.escrowed(verdict)
+    refusal = control.stop_refusal(verdict, args.force)
+    if refusal == control.UNDER_SYSTEMD:
         raise Failed(f"escrowd (pid {who.pid}) runs under systemd, which would start it "
                      "again: stop it with `systemctl --user stop escrowd.socket "
                      "escrowd.service`", STOP_REFUSED)
-    live = [s for s in verdict.sessions or [] if s.state in protocol.LIVE_STATES]
-    if not args.force:
-        if verdict.sessions is None:
-            raise Failed(f"not stopping escrowd (pid {who.holder_pid}): it did not list its "
-                         "sessions in time, so it may hold some; use --force to stop it "
-                         "anyway", STOP_CANNOT_TELL)
-        if live:
-            raise Failed(f"not stopping escrowd (pid {who.holder_pid}): {len(live)} "
-                         "session(s) escrowed; stopping it would drop them (the terminals no "
-                         "app holds would hang up). Reclaim or release them first, or use "
-                         "--force:" + "".join(f"\n  {s.owner}/{s.id} {s.state}" for s in live),
-                         STOP_REFUSED)
-    holder_started = liveness.process_start_time(who.holder_pid)
+    if refusal == control.SESSIONS_UNKNOWN:
+        raise Failed(f"not stopping escrowd (pid {who.holder_pid}): it did not list its "
+                     "sessions in time, so it may hold some; use --force to stop it anyway",
+                     STOP_CANNOT_TELL)
+    if refusal == control.SESSIONS_ESCROWED:
+        raise Failed(f"not stopping escrowd (pid {who.holder_pid}): {len(live)} session(s) "
+                     "escrowed; stopping it would drop them (the terminals no app holds "
+                     "would hang up). Reclaim or release them first, or use --force:"
+                     + "".join(f"\n  {s.owner}/{s.id} {s.state}" for s in live),
+                     STOP_REFUSED)
     try:
-        os.kill(who.pid, signal.SIGTERM)
+        gone = control.terminate(who, args.wait)
     except ProcessLookupError:
         print(f"escrowd (pid {who.pid}) on {socket_path} had already exited")
         return STOP_STOPPED
@@ -98,13 +95,9 @@ def run(args: argparse.Namespace) -> int:
         raise Failed(f"not stopping escrowd (pid {who.pid}) on {socket_path}: you may not "
                      f"signal it ({exc.strerror or exc}); nothing was signalled",
                      STOP_NOT_PERMITTED) from None
-    deadline = time.monotonic() + args.wait
-    while (liveness.process_alive(who.pid, who.start_time) is not False
-           or liveness.process_alive(who.holder_pid, holder_started) is not False):
-        if time.monotonic() >= deadline:
-            raise Failed(f"sent SIGTERM to escrowd (pid {who.pid}), but it still runs after "
-                         f"{args.wait:g}s", STOP_STILL_RUNNING)
-        time.sleep(0.02)
+    if not gone:
+        raise Failed(f"sent SIGTERM to escrowd (pid {who.pid}), but it still runs after "
+                     f"{args.wait:g}s", STOP_STILL_RUNNING)
     dropped = f"; dropped {len(live)} escrowed session(s)" if live else ""
     pair = f" and its keeper (pid {who.pid})" if who.keeper else ""
     print(f"stopped escrowd (pid {who.holder_pid}){pair} on {socket_path}{dropped}")

@@ -1,20 +1,16 @@
 """`escrowctl upgrade`: replace the running holder with the installed code, every session
 intact (DESIGN §11).
 
-SIGHUP to its keeper, or a restart of its systemd unit, once `escrow_client.control` has
-proven which process that is; then wait for the new holder. A holder with no fd store is not
-touched: replacing it would drop its sessions.
+`escrow_client.control` proves which process to signal, asks for the replacement (SIGHUP to
+the keeper, or a restart of the systemd unit) and waits for the new holder; a holder with
+no fd store is not touched, since replacing it would drop its sessions.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
-import time
 
-from .. import control, errors, paths
+from .. import control, paths
 from ..liveness import STATUS_TIMEOUT, holder_verdict
 from . import Failed
 from .arguments import add_sub_timeout, admin, positive
@@ -47,32 +43,14 @@ def run(args: argparse.Namespace) -> int:
         raise Failed(f"not upgrading the holder on {socket_path}: {exc}") from None
     before = verdict.holder
     assert before is not None  # control.target proves a `running` verdict, which has it
-    if before.fd_store == "keeper":
-        os.kill(who.pid, signal.SIGHUP)
-    elif before.fd_store == "systemd":
-        done = subprocess.run(["systemctl", "--user", "restart", "escrowd.service"],
-                              capture_output=True, text=True, timeout=60, check=False)
-        if done.returncode != 0:
-            raise Failed(f"systemctl --user restart escrowd.service failed: "
-                         f"{done.stderr.strip()}")
-    else:
-        raise Failed(f"escrowd (pid {who.pid}) keeps no fd store: replacing it would drop "
-                     "every session it holds. Run escrowd with its keeper (plain `escrowd`) "
-                     "or under systemd to upgrade in place.")
-    client = admin(args)
-    deadline = time.monotonic() + args.wait
-    while True:
-        try:
-            after = client.status()
-            if after.instance != before.instance:
-                break
-        except errors.EscrowError:
-            pass
-        if time.monotonic() >= deadline:
-            raise Failed(f"no new holder answered within {args.wait:g}s (the sessions stay "
-                         "with the keeper or systemd, and it keeps trying)",
-                         UPGRADE_NO_NEW_HOLDER)
-        time.sleep(0.05)
+    try:
+        control.replace(who, before)
+    except control.CannotReplace as exc:
+        raise Failed(str(exc)) from None
+    after = control.new_holder(admin(args).status, before, args.wait)
+    if after is None:
+        raise Failed(f"no new holder answered within {args.wait:g}s (the sessions stay with "
+                     "the keeper or systemd, and it keeps trying)", UPGRADE_NO_NEW_HOLDER)
     print(f"upgraded escrowd {before.version} (pid {before.pid}) -> {after.version} "
           f"(pid {after.pid}) on {socket_path}: {after.adopted} session(s) adopted")
     return 0
