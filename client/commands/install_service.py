@@ -1,16 +1,17 @@
 """`escrowctl install-service`: write the systemd user units (Linux) or the LaunchAgent
 (macOS) for this installation's escrowd, and say what to run next. Starts nothing itself.
+
+Which files, with what text, and the steps after are `service_files.install_plan`'s; this
+verb writes them (or prints them, with --print).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
-from pathlib import Path
 
-from .. import errors, paths, service_files
+from .. import errors, service_files
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,38 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    command = [args.escrowd] if args.escrowd else service_files.escrowd_command()
     extra = args.escrowd_args[1:] if args.escrowd_args[:1] == ["--"] else args.escrowd_args
     if any(a == "--socket" or a.startswith("--socket=") for a in extra):
         raise errors.EscrowConfigError("give the socket as `escrowctl --socket PATH "
                                        "install-service`, not among escrowd's arguments")
-    home = Path.home()
-    if args.kind == "launchd":
-        # Pinned to what an app computes: a GUI app sees neither $ESCROW_SOCKET nor
-        # $XDG_RUNTIME_DIR from this shell.
-        socket_path = os.path.abspath(args.socket) if args.socket else os.path.join(
-            paths.SHARED_TMP, f"escrowd-{os.getuid()}", "escrowd.sock")
-        files = {home / "Library" / "LaunchAgents" / f"{service_files.LAUNCHD_LABEL}.plist":
-                 service_files.launchd_plist(command, socket_path,
-                                             str(home / "Library" / "Logs" / "escrowd.log"),
-                                             extra)}
-        agent = f"gui/{os.getuid()}/{service_files.LAUNCHD_LABEL}"
-        plist = next(iter(files))
-        next_steps = [f"launchctl bootout {agent} 2>/dev/null; "
-                      f"launchctl bootstrap gui/{os.getuid()} {shlex.quote(str(plist))}",
-                      f"launchctl print {agent}"]
-    else:
-        socket_path = (os.path.abspath(args.socket) if args.socket
-                       else service_files.SYSTEMD_SOCKET)
-        config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
-        unit_dir = config / "systemd" / "user"
-        files = {unit_dir / "escrowd.service":
-                 service_files.systemd_service(command, socket_path, extra),
-                 unit_dir / "escrowd.socket": service_files.systemd_socket(socket_path)}
-        next_steps = ["systemctl --user daemon-reload",
-                      "systemctl --user enable --now escrowd.socket",
-                      "escrowctl status"]
-    for path, text in files.items():
+    plan = service_files.install_plan(args.kind, args.escrowd, args.socket, extra)
+    for path, text in plan.files.items():
         if args.print:
             print(f"# {path}\n{text}")
             continue
@@ -77,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             raise errors.EscrowConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
         print(f"wrote {path}")
     if not args.print:
-        print(f"escrowd: {shlex.join(command)}, serving {socket_path}\nnext:")
-        for step in next_steps:
+        print(f"escrowd: {shlex.join(plan.command)}, serving {plan.socket_path}\nnext:")
+        for step in plan.next_steps:
             print(f"  {step}")
     return 0
