@@ -1,9 +1,10 @@
 """`escrowctl`: look at the holder, its sessions, and take a relaunch for a test drive;
 attach a terminal to a session, or run a command in a new one.
 
-Each verb is a module of `escrow_client.commands`, a thin layer over `EscrowClient`,
-`liveness.holder_verdict` or `control`; nothing here speaks the protocol itself. This module
-assembles the command line from them and holds the exit-status policy:
+Each verb is a module of `escrow_client.commands`, a thin layer over the library
+(`EscrowClient`, `liveness.holder_verdict`, `control`, `service_files`, `demo`); nothing
+here speaks the protocol itself. This module assembles the command line from the verbs'
+own parsers and holds the exit-status policy:
 
 - 0 on success; 2 for bad arguments (argparse, before anything is sent);
 - 1 for an `EscrowError`, printed as `escrowctl: <message> (<code>)`, or for a service file
@@ -25,6 +26,7 @@ from . import __version__, errors, paths, service_files
 from .client import DEFAULT_TIMEOUT
 from .commands import (
     Failed,
+    Verb,
     attach,
     demo,
     install_service,
@@ -62,7 +64,8 @@ __all__ = [
 ]
 
 # In the order `escrowctl --help` lists them.
-VERBS = (status, stop, upgrade, list_, release, attach, run, install_service, demo)
+VERBS: tuple[Verb, ...] = (status, stop, upgrade, list_, release, attach, run,
+                           install_service, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
