@@ -12,6 +12,10 @@
 
 The shell prints its own pid in every tick, so "the same process" is read off the terminal,
 not taken on trust.
+
+`escrowctl demo` (escrow_client.commands.demo) sets the scene around the two: it runs each
+half (`run_half`), reads what the first half reports about its shell (`read_report`), and
+whatever failed, leaves nothing behind (`leave_nothing`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import sys
 import termios
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from . import errors
 from .client import DEFAULT_TIMEOUT, EscrowClient, Retrieved
 from .custody import Custody
+from .interpreter import CHILD_CWD, python_command
 from .liveness import process_alive, process_start_time
-from .protocol import LIVE_STATES
+from .protocol import LIVE_STATES, Welcome
 
 OWNER = "com.example.escrowctl-demo"
 PAUSE = 1.5  # how long escrowctl leaves the session with escrowd alone
@@ -144,6 +150,17 @@ def _write_report(path: str, **fields: object) -> None:
         json.dump(fields, f)
 
 
+def read_report(path: str) -> dict[str, Any]:
+    """What the app half wrote about its shell (`shell_pid`, `shell_start_time`,
+    `last_tick`), or {} if it wrote nothing readable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report: dict[str, Any] = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return report
+
+
 # --- the app before its relaunch --------------------------------------------------------
 
 
@@ -245,6 +262,50 @@ def _show_reclaimed(got: Retrieved, args: argparse.Namespace) -> tuple[bool, boo
         say(f"   and no output lost: the old app saw ticks 1-{args.last_tick}, the replay has "
             f"{replayed[0][0]}-{replayed[-1][0]}, and live goes on at {live[0][0]}")
     return same, same and bool(replayed) and not lost
+
+
+# --- the scene around the two halves ----------------------------------------------------
+
+
+def check_timeout(welcome: Welcome, timeout: float) -> None:
+    """EscrowConfigError unless `timeout` leaves the reclaim half time to take its session
+    back: the holder may take its drain_stop_budget + send_deadline to hand it over."""
+    needs = welcome.drain_stop_budget + welcome.send_deadline
+    if timeout <= needs:
+        raise errors.EscrowConfigError(
+            f"--timeout {timeout:g} must exceed the holder's drain_stop_budget + "
+            f"send_deadline ({needs:g}s) for the demo to take its session back")
+
+
+def run_half(role: str, argv: list[str]) -> int:
+    """Run one half (`app` or `reclaim`) as a process of its own, on this terminal, for at
+    most 60 s; its exit status (1 if it had to be stopped)."""
+    sys.stdout.flush()
+    try:
+        proc = subprocess.run(python_command("escrow_client.demo", role, *argv),
+                              stdin=subprocess.DEVNULL, cwd=CHILD_CWD, timeout=60)
+    except subprocess.TimeoutExpired:
+        print(f"escrowctl demo: the {role} step took over 60 s; stopped it", file=sys.stderr)
+        return 1
+    if proc.returncode != 0:
+        print(f"escrowctl demo: the {role} step failed (exit status {proc.returncode})",
+              file=sys.stderr)
+    return proc.returncode
+
+
+def leave_nothing(client: EscrowClient, sid: str, report: dict[str, Any]) -> None:
+    """Leave nothing behind even when a step failed: release the session if escrowd still
+    holds it, and end the shell if it still runs (and is still the same process)."""
+    try:
+        left = [s for s in client.list() if s.id == sid and s.state in LIVE_STATES]
+        if left:
+            client.release(sid)
+            print(f"escrowctl demo: released {OWNER}/{sid}, left over", file=sys.stderr)
+    except errors.EscrowError as exc:
+        print(f"escrowctl demo: could not clean up {sid}: {exc} ({exc.code})", file=sys.stderr)
+    pid, started = report.get("shell_pid"), report.get("shell_start_time")
+    if isinstance(pid, int) and end_shell(pid, started):
+        print(f"escrowctl demo: ended the demo shell (pid {pid}), left over", file=sys.stderr)
 
 
 # --- entry point ------------------------------------------------------------------------

@@ -3,7 +3,8 @@ where escrowd really is (`escrowctl install-service`).
 
 One source for each text: the files shipped in `systemd/` and `launchd/` are these
 functions' output for a `pipx install` (a test keeps them equal), and `install-service`
-writes the same text with the paths of the running installation.
+writes the same text with the paths of the running installation (`install_plan`: which
+files, where, and what to run after writing them).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from . import paths
 from .interpreter import python_command
 
 LAUNCHD_LABEL = "com.fd-escrow.escrowd"
@@ -210,3 +213,49 @@ def shipped_files() -> dict[str, str]:
             [f"{home}/.local/bin/escrowd"], "/tmp/escrowd-UID/escrowd.sock",
             f"{home}/Library/Logs/escrowd.log"),
     }
+
+
+# --- what install-service writes -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    """The files that start `command` serving `socket_path`, by where they go, and what the
+    user runs next to start it."""
+
+    command: list[str]
+    socket_path: str
+    files: dict[Path, str]
+    next_steps: list[str]
+
+
+def install_plan(kind: str, escrowd: str | None, socket: str | None,
+                 extra_args: list[str]) -> InstallPlan:
+    """The LaunchAgent (`kind` "launchd") or the systemd user units ("systemd") for
+    `escrowd` (default: this installation's, `escrowd_command`) on `socket` (default: the
+    path an app computes for the service manager's holder), with escrowd's `extra_args`."""
+    command = [escrowd] if escrowd else escrowd_command()
+    home = Path.home()
+    if kind == "launchd":
+        # Pinned to what an app computes: a GUI app sees neither $ESCROW_SOCKET nor
+        # $XDG_RUNTIME_DIR from this shell.
+        socket_path = os.path.abspath(socket) if socket else os.path.join(
+            paths.SHARED_TMP, f"escrowd-{os.getuid()}", "escrowd.sock")
+        plist = home / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+        files = {plist: launchd_plist(command, socket_path,
+                                      str(home / "Library" / "Logs" / "escrowd.log"),
+                                      extra_args)}
+        agent = f"gui/{os.getuid()}/{LAUNCHD_LABEL}"
+        next_steps = [f"launchctl bootout {agent} 2>/dev/null; "
+                      f"launchctl bootstrap gui/{os.getuid()} {shlex.quote(str(plist))}",
+                      f"launchctl print {agent}"]
+    else:
+        socket_path = os.path.abspath(socket) if socket else SYSTEMD_SOCKET
+        config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+        unit_dir = config / "systemd" / "user"
+        files = {unit_dir / "escrowd.service": systemd_service(command, socket_path, extra_args),
+                 unit_dir / "escrowd.socket": systemd_socket(socket_path)}
+        next_steps = ["systemctl --user daemon-reload",
+                      "systemctl --user enable --now escrowd.socket",
+                      "escrowctl status"]
+    return InstallPlan(command, socket_path, files, next_steps)

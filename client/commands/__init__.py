@@ -1,0 +1,44 @@
+"""The verbs of `escrowctl`, one module each: `status`, `stop`, `upgrade`, `list`, `release`,
+`attach`, `run`, `install_service`, `demo`.
+
+A subpackage rather than flat `cmd_*.py` modules beside the library: nine verbs and what they
+share would more than double the files in `escrow_client`, and mix the command line (argument
+types, tables, messages) into a directory whose every other module an app may import. Here
+the library stays one listing, and the command line another.
+
+Each verb module has the same two functions (`Verb`):
+
+- `add_parser(subparsers)`: its subcommand, its options and its `--help`, with
+  `set_defaults(func=run)` (and `default_timeout=` for the verbs that only look or signal);
+- `run(args) -> int`: the verb, a thin layer over the library, returning its exit status.
+
+A verb that cannot do what it was asked raises `Failed`; a library error (`EscrowError`)
+it lets through. `escrow_client.cli.main` turns either into a line on stderr and an exit
+status: the policy lives there, once. (`demo` alone tells its own failures, as
+`escrowctl demo: ...` lines among its narration.)
+
+`arguments` holds the options more than one verb takes, `text` how figures are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+
+class Verb(Protocol):
+    """What `escrow_client.cli` asks of a verb module."""
+
+    def add_parser(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+                   ) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+class Failed(Exception):
+    """The verb could not do what it was asked: `escrowctl: <message>` on stderr, and exit
+    status `status` (a verb's own codes are listed in its `--help`)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status

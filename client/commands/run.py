@@ -1,0 +1,55 @@
+"""`escrowctl run -- COMMAND`: start a command in a new escrowed session and attach this
+terminal to it (`escrow_client.attach.run` does it); the exit status is the program's when
+it ends while attached."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import uuid
+
+from .. import attach
+from . import Failed
+from .arguments import ADMIN_OWNER, add_detach_key, client, name
+from .attach import ended
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "run", help="run a command in a new escrowed session, attached to this terminal",
+        description="Start COMMAND (default: $SHELL) in a new terminal the size of this one, "
+        "escrow it, and attach this terminal to it (see `escrowctl attach`). Detach with "
+        "the detach key: the program runs on, the holder drains its output, and `escrowctl "
+        "attach OWNER/ID` picks it up from any terminal. When the program ends while "
+        "attached, escrowctl exits with its status (128+N for signal N).",
+    )
+    p.add_argument("--owner", type=name, default=ADMIN_OWNER,
+                   help=f"the session's owner (default {ADMIN_OWNER})")
+    p.add_argument("--id", type=name, help="the session's id (default: the program's name "
+                   "and a random suffix, e.g. bash-3f9a1c)")
+    p.add_argument("--label", help="the label `escrowctl list` shows (default: the command)")
+    add_detach_key(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="the command and its arguments")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        command = [os.environ.get("SHELL") or "/bin/sh"]
+    sid = args.id or _run_id(command[0])
+    label = args.label if args.label is not None else shlex.join(command)[:256]
+    try:
+        ending = attach.run(client(args, args.owner), command, sid, label, args.detach_key)
+    except attach.CannotRun as exc:
+        raise Failed(str(exc), exc.status) from None
+    return ended(args, args.owner, sid, ending)
+
+
+def _run_id(program: str) -> str:
+    """A new session id for `run`, named for the program: `bash-3f9a1c`."""
+    stem = re.sub(r"[^A-Za-z0-9._:@-]", "_", os.path.basename(program))[:64] or "run"
+    return f"{stem}-{uuid.uuid4().hex[:6]}"
