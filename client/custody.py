@@ -43,9 +43,11 @@ from .channel import Channel, Deadline
 from .fdpass import close_fds
 from .journal import JournalError, JournalWriter
 from .platform import PEER_HUNG_UP
+from .reclaim import DEFAULT_CUSTODY_GRACE, DEFAULT_RECLAIM_DEADLINE, ReclaimReport, reclaim
+from .retrieved import Retrieved
 
 if TYPE_CHECKING:
-    from .client import EscrowClient, ReclaimReport, Retrieved
+    from .client import EscrowClient
 
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 _SETTLE_AGAIN = 1.0  # seconds between tries to settle a deposit never answered
@@ -158,15 +160,16 @@ class Custody:
         """`EscrowClient.reclaim_all`, into this custody: every session of the owner comes
         back over this connection and stays escrowed, held here. What the app does at
         launch: reclaim, write each replay, repaint, read."""
-        from .client import DEFAULT_CUSTODY_GRACE, DEFAULT_RECLAIM_DEADLINE
         total = DEFAULT_RECLAIM_DEADLINE if deadline is None else deadline
         with self._lock:
             channel = self._usable_channel()
             _needs(channel, "keep")
             try:
-                report = self._client._reclaim(
+                report = reclaim(
                     channel, Deadline(total), total,
-                    DEFAULT_CUSTODY_GRACE if grace is None else grace, True, journal)
+                    DEFAULT_CUSTODY_GRACE if grace is None else grace, True, journal,
+                    timeout=self._client.timeout, connect=self._client._connect,
+                    retrieve_many=self._client._retrieve_many_on)
             except BaseException as exc:
                 partial = getattr(exc, "reclaim_report", None)
                 if partial is not None:
@@ -386,7 +389,7 @@ class Custody:
     def _settle_these(self, pending: dict[str, _Kept], deadline: Deadline) -> bool:
         """False if the holder could not be asked, or a deposit again failed."""
         try:
-            with self._client._channel(deadline) as asking:
+            with self._client._connect(deadline) as asking:
                 reply, _ = asking.call(protocol.List(), deadline)
         except errors.EscrowError:
             return False
@@ -443,7 +446,7 @@ class Custody:
         if not self._kept:
             return set()
         try:
-            with self._client._channel(deadline) as channel:
+            with self._client._connect(deadline) as channel:
                 reply, _ = channel.call(protocol.List(), deadline)
             assert isinstance(reply, protocol.Sessions)
             listed = {s.id: s for s in reply.sessions}
