@@ -27,228 +27,52 @@ released. The master is read only while this process holds custody.
 Signals: handlers for SIGWINCH, SIGTERM, SIGHUP, SIGINT (and SIGCHLD for `run`) only note
 the signal; a wake-up fd (`signal.set_wakeup_fd`) makes the loop see it, so none is missed
 between a check and the wait. Call from the main thread.
+
+Here are the endings, the copy loop and the two ways in; each part they use has a module
+of its own: `local_terminal` (raw mode, and the modes given back), `detach_key`,
+`attach_signals` (the signals, and the write to a stalled terminal they interrupt) and
+`spawn` (the program `run` starts).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import re
 import select
 import signal
 import subprocess
 import termios
 import threading
 import time
-import tty
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import FrameType
 
 from . import errors
+from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
 from .custody import Custody
+from .detach_key import DEFAULT_DETACH_KEY, DOUBLE_PRESS, DetachKey, key_name, parse_key
 from .liveness import process_name
+from .local_terminal import READ_SIZE, RESET, LocalTerminal, TerminalGone
 from .protocol import LIVE_STATES
 from .repaint import repaint
+from .spawn import CannotRun, end, exit_status, spawn
 
-DEFAULT_DETACH_KEY = "^\\"
-# A second press of the detach key within this many seconds sends the key itself to the
-# program; a single press detaches once this has passed (or at once, when another key
-# follows it).
-DOUBLE_PRESS = 0.3
-READ_SIZE = 65536
-
-# Written to the local terminal before the replay: RIS, a full reset (a fresh screen,
-# default modes), since the replay begins somewhere in the middle of the session's life.
-RESET = b"\x1bc"
-# Written when the local terminal is handed back: the modes a full-screen program may have
-# switched on, off again (a full reset would also wipe the screen the user comes back to).
-LEAVE = (
-    b"\x1b[?1047l"  # the main screen (1047: without moving the cursor, as 1049 would)
-    b"\x1b7\x1b[r\x1b8"  # no scroll region (it homes the cursor: saved around it)
-    b"\x1b[?1l\x1b>"  # normal cursor keys and keypad
-    b"\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1005l\x1b[?1006l\x1b[?1015l"  # no mouse reports
-    b"\x1b[?1004l\x1b[?2004l"  # no focus reports, no bracketed paste
-    b"\x1b[?7h\x1b(B\x1b[0m\x1b[?25h"  # autowrap, ASCII, plain text, a visible cursor
-)
-
-_KEY_RE = re.compile(r"(?:\^|c-|ctrl[-+])(.)", re.IGNORECASE)
-
-
-# --- the detach key -------------------------------------------------------------------
-
-
-def parse_key(text: str) -> int | None:
-    """A detach key as given on the command line: a control key in caret notation (`^\\`,
-    `^]`, `^A`, `^?`) or as `C-x` / `Ctrl-x` (any case), or `none` for no detach key.
-    Returns its byte, or None for `none`. Raises ValueError for anything else, and for
-    Escape (`^[`), which begins the sequences of arrow and function keys."""
-    if text.lower() == "none":
-        return None
-    m = _KEY_RE.fullmatch(text)
-    if m is None:
-        raise ValueError(f"{text!r} is not a control key: give it as ^X or C-x "
-                         f"(e.g. {DEFAULT_DETACH_KEY}), or none")
-    char = m[1].upper()
-    if char == "?":
-        return 0x7F
-    if not "@" <= char <= "_":
-        raise ValueError(f"{text!r} is not a control key (^@, ^A-^Z, ^[, ^\\, ^], ^^, ^_, ^?)")
-    if char == "[":
-        raise ValueError(f"{text!r} is Escape, which begins the arrow and function keys; "
-                         "choose another key")
-    return ord(char) - 0x40
-
-
-def key_name(key: int | None) -> str:
-    """How `parse_key` spells `key` (`^\\`), or `none`."""
-    if key is None:
-        return "none"
-    return "^?" if key == 0x7F else "^" + chr(key + 0x40)
-
-
-class DetachKey:
-    """Finds the detach key in what the user types. One press detaches: once `double_press`
-    seconds pass with nothing after it, or at once when another key follows. Two presses
-    in a row send the key itself to the program. With `key` None, everything goes through."""
-
-    def __init__(self, key: int | None, double_press: float = DOUBLE_PRESS) -> None:
-        self.key = key
-        self.double_press = double_press
-        self._pressed_at: float | None = None
-
-    def feed(self, data: bytes, now: float) -> tuple[bytes, bool]:
-        """What of `data` (typed at `now`) goes to the program, and whether to detach now.
-        Whatever follows the press that detaches is not for the session: it is dropped."""
-        if self.key is None:
-            return data, False
-        out = bytearray()
-        i = 0
-        while i < len(data):
-            if self._pressed_at is not None:
-                if data[i] != self.key:
-                    return bytes(out), True
-                out.append(self.key)  # pressed twice: the key itself
-                self._pressed_at = None
-                i += 1
-                continue
-            press = data.find(self.key, i)
-            if press < 0:
-                out += data[i:]
-                break
-            out += data[i:press]
-            self._pressed_at = now
-            i = press + 1
-        return bytes(out), False
-
-    def cancel(self) -> None:
-        """Forget a press that was waiting (its detach was refused)."""
-        self._pressed_at = None
-
-    def wait(self, now: float) -> float | None:
-        """Seconds until a press waiting for a second one detaches (0 once it does); None
-        when no press is waiting."""
-        if self._pressed_at is None:
-            return None
-        return max(0.0, self._pressed_at + self.double_press - now)
-
-
-# --- exit status ----------------------------------------------------------------------
-
-
-def exit_status(returncode: int) -> int:
-    """A program's ending as a shell reports it: its exit code, or 128+N for signal N
-    (`subprocess` gives -N)."""
-    return returncode if returncode >= 0 else 128 - returncode
-
-
-# --- the local terminal ---------------------------------------------------------------
-
-
-class _Interrupted(Exception):
-    """A detaching signal came while a write to the local terminal was blocked."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class TerminalGone(Exception):
-    """The local terminal went away (EOF or EIO on it): the attachment detaches."""
-
-
-class LocalTerminal:
-    """The terminal escrowctl runs in: keys come from `in_fd`, output goes to `out_fd`.
-
-    Resource handling: `raw()` puts it in raw mode and gives it back on leaving, with the
-    termios it had and the modes a program may have set through escape sequences (`LEAVE`);
-    a terminal that has gone away is not an error there. Nothing here changes the file
-    status flags of either fd: the shell that started escrowctl shares them."""
-
-    def __init__(self, in_fd: int = 0, out_fd: int = 1) -> None:
-        for fd, what in ((in_fd, "input"), (out_fd, "output")):
-            if not os.isatty(fd):
-                raise errors.NotATerminal(f"escrowctl needs a terminal to attach to: its "
-                                          f"{what} (fd {fd}) is not one")
-        if os.tcgetpgrp(in_fd) != os.getpgrp():
-            # In the background the first change of its modes would stop this process
-            # (SIGTTOU) while it holds the session: nobody would read it.
-            raise errors.EscrowConfigError("escrowctl needs to run in the foreground of its "
-                                           "terminal to attach (not with &)")
-        self.in_fd, self.out_fd = in_fd, out_fd
-        self.stalled = False  # it stopped taking output: nothing more is written to it
-
-    def size(self) -> tuple[int, int]:
-        """(rows, cols)."""
-        rows, cols = termios.tcgetwinsize(self.in_fd)
-        return rows, cols
-
-    @contextmanager
-    def raw(self) -> Iterator[None]:
-        saved = termios.tcgetattr(self.in_fd)
-        tty.setraw(self.in_fd, termios.TCSADRAIN)
-        try:
-            yield
-        finally:
-            # A terminal that is gone has nothing left to give back; one that stopped
-            # taking output would block us for ever (TCSANOW: what was written already
-            # went through output processing as it was written).
-            try:
-                if not self.stalled:
-                    self.write(LEAVE)
-            except TerminalGone:
-                pass
-            try:
-                termios.tcsetattr(self.in_fd, termios.TCSANOW, saved)
-            except (OSError, termios.error):
-                pass
-
-    def read(self) -> bytes:
-        """What the user typed (b"" if nothing was there after all)."""
-        try:
-            data = os.read(self.in_fd, READ_SIZE)
-        except BlockingIOError:
-            return b""  # O_NONBLOCK, set by someone sharing the terminal
-        except OSError as exc:
-            raise TerminalGone(str(exc)) from None
-        if not data:
-            raise TerminalGone("end of input")
-        return data
-
-    def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(self.out_fd, view) :]
-            except BlockingIOError:
-                select.select([], [self.out_fd], [])
-            except OSError as exc:
-                raise TerminalGone(str(exc)) from None
-
-
-# --- an attachment --------------------------------------------------------------------
+__all__ = [
+    "DEFAULT_DETACH_KEY",
+    "DOUBLE_PRESS",
+    "Attachment",
+    "CannotRun",
+    "DetachKey",
+    "Ending",
+    "LocalTerminal",
+    "TerminalGone",
+    "attach",
+    "exit_status",
+    "key_name",
+    "parse_key",
+    "run",
+]
 
 
 @dataclass(frozen=True)
@@ -264,10 +88,6 @@ class Ending:
     stalled: bool = False  # the terminal stopped taking output: write nothing more to it
 
 
-_DETACHING: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP",
-                              signal.SIGINT: "SIGINT"}
-
-
 class Attachment:
     """One session, attached to the local terminal. `custody` holds the session; `master`
     is this process's copy of its PTY master; `child` is the program's process when this
@@ -281,10 +101,8 @@ class Attachment:
         self.terminal = terminal
         self.keys = keys
         self.child = child
-        self._signals: list[int] = []
-        self._wake_r = self._wake_w = -1
+        self._signals = Signals(terminal, child is not None)
         self._size = (0, 0)  # the session's, as last set
-        self._writing = False  # in a write to the local terminal (see _note)
 
     def run(self, replay: bytes | None = None) -> Ending:
         """Attach until one of the endings, and see to the session as it says (custody
@@ -295,7 +113,7 @@ class Attachment:
         try:
             self._size = termios.tcgetwinsize(self.master)
             try:
-                with self._signal_handlers(), self.terminal.raw():
+                with self._signals.handled(), self.terminal.raw():
                     if replay is not None:
                         self._write_local(RESET + replay)
                         if not self._resize():  # a new size makes the program redraw
@@ -305,8 +123,8 @@ class Attachment:
                     ending = self._copy()
             except TerminalGone as exc:
                 ending = Ending(True, f"the terminal went away: {exc}")
-            except _Interrupted as exc:
-                ending = Ending(True, f"{_DETACHING[exc.signum]}, while the terminal was "
+            except Interrupted as exc:
+                ending = Ending(True, f"{DETACHING[exc.signum]}, while the terminal was "
                                 "not taking output", stalled=True)
             if not ending.detached:
                 self.custody.release(self.session_id)
@@ -321,7 +139,7 @@ class Attachment:
     # --- the copy loop ----------------------------------------------------------------
 
     def _copy(self) -> Ending:
-        master, keys_fd, wake = self.master, self.terminal.in_fd, self._wake_r
+        master, keys_fd, wake = self.master, self.terminal.in_fd, self._signals.wake_fd
         typed = bytearray()  # for the program, not yet taken by its terminal
         while True:
             wait = self.keys.wait(time.monotonic())
@@ -399,15 +217,10 @@ class Attachment:
     # --- signals ------------------------------------------------------------------------
 
     def _on_signals(self) -> Ending | None:
-        try:
-            while os.read(self._wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
-        pending, self._signals = self._signals, []
+        pending = self._signals.take()
         for signum in pending:
-            if signum in _DETACHING:
-                return Ending(True, _DETACHING[signum])
+            if signum in DETACHING:
+                return Ending(True, DETACHING[signum])
             if signum == signal.SIGCHLD and self.child is not None \
                     and self.child.poll() is not None:
                 self._tail()
@@ -435,40 +248,10 @@ class Attachment:
         except errors.EscrowError:
             pass  # the holder is away: the size shows late, the program has it already
 
-    def _note(self, signum: int, frame: FrameType | None) -> None:
-        self._signals.append(signum)
-        if self._writing and signum in _DETACHING:
-            # Blocked writing to a terminal that does not read (a dropped ssh link, a
-            # frozen emulator): leave the write, or nothing but SIGKILL would end this.
-            self.terminal.stalled = True
-            raise _Interrupted(signum)
-
     def _write_local(self, data: bytes) -> None:
-        self._writing = True
-        try:
+        with self._signals.interruptible():
             self.terminal.write(data)
-        finally:
-            self._writing = False
 
-    @contextmanager
-    def _signal_handlers(self) -> Iterator[None]:
-        wanted = [signal.SIGWINCH, *_DETACHING]
-        if self.child is not None:
-            wanted.append(signal.SIGCHLD)
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        old_wake = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        old = {signum: signal.signal(signum, self._note) for signum in wanted}
-        try:
-            yield
-        finally:
-            for signum, handler in old.items():
-                signal.signal(signum, handler)
-            signal.set_wakeup_fd(old_wake)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
 
 # --- the two ways in --------------------------------------------------------------------
 
@@ -510,15 +293,6 @@ def _held_by_whom(client: EscrowClient, session_id: str,
         "nothing was changed", session_id)
 
 
-class CannotRun(Exception):
-    """The command could not be started; `status` is what a shell would exit with (127
-    not found, 126 found but not executable)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         detach_key: int | None) -> Ending:
     """`escrowctl run`: start `argv` in a new PTY the size of this process's terminal,
@@ -532,7 +306,7 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         raise errors.SessionExists(f"session {client.owner}/{session_id} exists; attach it "
                                    "with escrowctl attach, or choose another id", session_id)
     rows, cols = terminal.size()
-    master, child = _spawn(argv, rows, cols, terminal.in_fd)
+    master, child = spawn(argv, rows, cols, terminal.in_fd)
     try:
         custody = client.custody()
         try:
@@ -543,45 +317,8 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
             raise
     except BaseException:
         os.close(master)
-        _end(child)
+        end(child)
         raise
     return Attachment(custody, session_id, master, terminal, DetachKey(detach_key),
                       child).run()
 
-
-def _spawn(argv: Sequence[str], rows: int, cols: int,
-           like: int | None = None) -> tuple[int, subprocess.Popen[bytes]]:
-    """`argv` as the session leader of a new PTY of that size, which is its controlling
-    terminal: the master and the process. The PTY's modes are those of terminal `like`
-    (its erase character, iutf8...), as a terminal app gives a new tab the user's."""
-    master, slave = os.openpty()
-    try:
-        if like is not None:
-            try:
-                termios.tcsetattr(slave, termios.TCSANOW, termios.tcgetattr(like))
-            except termios.error:
-                pass  # the PTY's own defaults, then
-        termios.tcsetwinsize(slave, (rows, cols))
-        child = subprocess.Popen(
-            list(argv), stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-            start_new_session=True, preexec_fn=_take_controlling_terminal)
-    except OSError as exc:
-        os.close(master)
-        status = 127 if isinstance(exc, FileNotFoundError) else 126
-        raise CannotRun(f"cannot run {argv[0]}: {exc.strerror or exc}", status) from None
-    finally:
-        os.close(slave)
-    return master, child
-
-
-def _take_controlling_terminal() -> None:
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-
-def _end(child: subprocess.Popen[bytes]) -> None:
-    """End a program whose terminal was just closed: the hang-up ends most (SIGHUP)."""
-    try:
-        child.wait(2.0)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()

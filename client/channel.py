@@ -7,6 +7,10 @@ Everything a call can fail with is mapped to the client's exceptions here, once:
 nothing listening is `HolderUnavailable`; a deadline that passes is `HolderUnresponsive`;
 an `error` answer is the exception for its code (also when a send failed because the
 holder answered and closed); anything that is not the protocol is `ProtocolViolation`.
+
+`connect` is the one way in, for every part of the client: with autostart, a holder is
+started when none listens, and whichever holder wins the socket's lock is waited for
+within the deadline.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import errno
 import os
 import socket
 import time
+from typing import Protocol
 
-from . import breaker, errors, paths, protocol, trust
+from . import autostart, breaker, errors, paths, protocol, trust
 from .fdpass import FrameReader, close_fds, recv_frame, send_frame
 from .platform import harden_socket
 
@@ -203,6 +208,12 @@ class Channel:
     def close(self) -> None:
         self.sock.close()
 
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _answer_waiting(self, deadline: Deadline, sid: str | None) -> errors.EscrowError | None:
         """A send failed because the holder closed: it may have answered first
         (`forbidden`, `limit`). That answer, not "broken pipe", is the truth, if it is
@@ -228,3 +239,36 @@ class Channel:
                 f"({os.strerror(exc.errno)})", dropped=True)
         return errors.HolderUnavailable(f"talking to the holder on {self.socket_path}: {exc}",
                                         dropped=True)
+
+
+class Connect(Protocol):
+    """Opens a fresh connection for a part of the client (`EscrowClient._connect`): the
+    caller owns the channel (`with connect(deadline) as channel:` closes it)."""
+
+    def __call__(self, deadline: Deadline, use_breaker: bool = True) -> Channel: ...
+
+
+def connect(
+    socket_path: str,
+    hello: protocol.Hello,
+    deadline: Deadline,
+    breaker_cooldown: float = breaker.DEFAULT_COOLDOWN,
+    use_breaker: bool = True,
+    autostart_idle_exit: float | None = None,
+) -> Channel:
+    """A greeted connection to the holder on `socket_path`. With `autostart_idle_exit`
+    (autostart), a holder that is not there is started, to exit after that many idle
+    seconds, and waited for."""
+    try:
+        return Channel(socket_path, hello, deadline, breaker_cooldown, use_breaker)
+    except errors.HolderUnavailable:
+        if autostart_idle_exit is None:
+            raise
+    autostart.spawn_holder(socket_path, autostart_idle_exit)
+    while True:  # wait, within the deadline, for whichever holder wins the lock
+        try:
+            return Channel(socket_path, hello, deadline, breaker_cooldown, use_breaker)
+        except errors.HolderUnavailable:
+            if deadline.remaining() <= 0.02:
+                raise
+            time.sleep(0.02)

@@ -1,0 +1,94 @@
+"""The signals an attachment acts on, seen by its copy loop without a race (DESIGN §13).
+
+SIGTERM, SIGHUP and SIGINT detach (`DETACHING`: the session goes on, drained by the holder
+again); SIGWINCH gives the session the local terminal's new size; SIGCHLD, for `run`, may
+mean the program exited. Their handlers only note the signal; a wake-up fd
+(`signal.set_wakeup_fd`) makes the loop's select see it, so that none is missed between a
+check and the wait.
+
+Once only does a handler do more: a write to a local terminal that does not read (a dropped
+ssh link, a frozen emulator) would block for ever, and nothing but SIGKILL would end
+escrowctl. A detaching signal during a write (`interruptible`) leaves it: the handler marks
+the terminal stalled (nothing more is written to it) and raises `Interrupted`.
+
+Call from the main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from .local_terminal import LocalTerminal
+
+DETACHING: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP",
+                             signal.SIGINT: "SIGINT"}
+
+
+class Interrupted(Exception):
+    """A detaching signal came while a write to the local terminal was blocked."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Signals:
+    """The signals of one attachment. Resource handling: `handled()` installs the handlers
+    and the wake-up fd (`wake_fd`), and puts back what it found on leaving."""
+
+    def __init__(self, terminal: LocalTerminal, child: bool) -> None:
+        self.terminal = terminal
+        self._wanted = [signal.SIGWINCH, *DETACHING]
+        if child:
+            self._wanted.append(signal.SIGCHLD)
+        self._noted: list[int] = []
+        self.wake_fd = self._wake_w = -1
+        self._writing = False  # in a write to the local terminal (see _note)
+
+    @contextmanager
+    def handled(self) -> Iterator[None]:
+        self.wake_fd, self._wake_w = os.pipe()
+        for fd in (self.wake_fd, self._wake_w):
+            os.set_blocking(fd, False)
+        old_wake = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        old = {signum: signal.signal(signum, self._note) for signum in self._wanted}
+        try:
+            yield
+        finally:
+            for signum, handler in old.items():
+                signal.signal(signum, handler)
+            signal.set_wakeup_fd(old_wake)
+            os.close(self.wake_fd)
+            os.close(self._wake_w)
+            self.wake_fd = self._wake_w = -1
+
+    def take(self) -> list[int]:
+        """The signals noted since the last call, in order (the wake-up fd emptied)."""
+        try:
+            while os.read(self.wake_fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+        pending, self._noted = self._noted, []
+        return pending
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Around a write to the local terminal: a detaching signal leaves it."""
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self._noted.append(signum)
+        if self._writing and signum in DETACHING:
+            # Blocked writing to a terminal that does not read (a dropped ssh link, a
+            # frozen emulator): leave the write, or nothing but SIGKILL would end this.
+            self.terminal.stalled = True
+            raise Interrupted(signum)

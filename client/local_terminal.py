@@ -1,0 +1,110 @@
+"""The local terminal: the one escrowctl runs in, on which an attached session is shown.
+
+Keys come from its input and the program's output goes to its output; while attached, it
+is in raw mode. It has to be escrowctl's foreground terminal: in the background, the first
+change of its modes would stop escrowctl (SIGTTOU) while it holds the session. A retrieved
+session is shown on a screen reset first (`RESET`); the terminal is given back with its
+termios as they were and the modes a program may have switched on switched off again
+(`LEAVE`). A terminal that goes away (EOF or EIO on it) is `TerminalGone`: the attachment
+detaches.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import termios
+import tty
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from . import errors
+
+READ_SIZE = 65536
+
+# Written to the local terminal before the replay: RIS, a full reset (a fresh screen,
+# default modes), since the replay begins somewhere in the middle of the session's life.
+RESET = b"\x1bc"
+# Written when the local terminal is handed back: the modes a full-screen program may have
+# switched on, off again (a full reset would also wipe the screen the user comes back to).
+LEAVE = (
+    b"\x1b[?1047l"  # the main screen (1047: without moving the cursor, as 1049 would)
+    b"\x1b7\x1b[r\x1b8"  # no scroll region (it homes the cursor: saved around it)
+    b"\x1b[?1l\x1b>"  # normal cursor keys and keypad
+    b"\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1005l\x1b[?1006l\x1b[?1015l"  # no mouse reports
+    b"\x1b[?1004l\x1b[?2004l"  # no focus reports, no bracketed paste
+    b"\x1b[?7h\x1b(B\x1b[0m\x1b[?25h"  # autowrap, ASCII, plain text, a visible cursor
+)
+
+
+class TerminalGone(Exception):
+    """The local terminal went away (EOF or EIO on it): the attachment detaches."""
+
+
+class LocalTerminal:
+    """The terminal escrowctl runs in: keys come from `in_fd`, output goes to `out_fd`.
+
+    Resource handling: `raw()` puts it in raw mode and gives it back on leaving, with the
+    termios it had and the modes a program may have set through escape sequences (`LEAVE`);
+    a terminal that has gone away is not an error there. Nothing here changes the file
+    status flags of either fd: the shell that started escrowctl shares them."""
+
+    def __init__(self, in_fd: int = 0, out_fd: int = 1) -> None:
+        for fd, what in ((in_fd, "input"), (out_fd, "output")):
+            if not os.isatty(fd):
+                raise errors.NotATerminal(f"escrowctl needs a terminal to attach to: its "
+                                          f"{what} (fd {fd}) is not one")
+        if os.tcgetpgrp(in_fd) != os.getpgrp():
+            # In the background the first change of its modes would stop this process
+            # (SIGTTOU) while it holds the session: nobody would read it.
+            raise errors.EscrowConfigError("escrowctl needs to run in the foreground of its "
+                                           "terminal to attach (not with &)")
+        self.in_fd, self.out_fd = in_fd, out_fd
+        self.stalled = False  # it stopped taking output: nothing more is written to it
+
+    def size(self) -> tuple[int, int]:
+        """(rows, cols)."""
+        rows, cols = termios.tcgetwinsize(self.in_fd)
+        return rows, cols
+
+    @contextmanager
+    def raw(self) -> Iterator[None]:
+        saved = termios.tcgetattr(self.in_fd)
+        tty.setraw(self.in_fd, termios.TCSADRAIN)
+        try:
+            yield
+        finally:
+            # A terminal that is gone has nothing left to give back; one that stopped
+            # taking output would block us for ever (TCSANOW: what was written already
+            # went through output processing as it was written).
+            try:
+                if not self.stalled:
+                    self.write(LEAVE)
+            except TerminalGone:
+                pass
+            try:
+                termios.tcsetattr(self.in_fd, termios.TCSANOW, saved)
+            except (OSError, termios.error):
+                pass
+
+    def read(self) -> bytes:
+        """What the user typed (b"" if nothing was there after all)."""
+        try:
+            data = os.read(self.in_fd, READ_SIZE)
+        except BlockingIOError:
+            return b""  # O_NONBLOCK, set by someone sharing the terminal
+        except OSError as exc:
+            raise TerminalGone(str(exc)) from None
+        if not data:
+            raise TerminalGone("end of input")
+        return data
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.out_fd, view) :]
+            except BlockingIOError:
+                select.select([], [self.out_fd], [])
+            except OSError as exc:
+                raise TerminalGone(str(exc)) from None

@@ -1,0 +1,178 @@
+"""The retrieve path: taking sessions back over one connection (DESIGN §4 step 8, §12).
+
+One `retrieve` names one session, one `retrieve_many` several; both go the same way:
+
+1. Check the timeout invariant (DESIGN §4 step 2): never start a retrieve we would give up
+   on while the holder is still legitimately stopping the drain and sending. A client
+   timeout (or a reclaim deadline) too short for that is an `EscrowConfigError`, and a
+   retrieve with too little of its deadline left is not sent.
+2. Take every `handoff` first, each fd checked to be a terminal; one that was not asked
+   for, comes twice or is no terminal is not acked (the holder keeps its copies).
+3. Send one ack for all (the holder's answers never pile up unread meanwhile), only now
+   that we hold the fds; never read them before `done`.
+4. Read `done`: the sessions are ours (or, with `keep`, escrowed and held by this
+   connection: a custody's). A refusal of the ack (`ack_late`) means the holder kept them:
+   our copies are closed, so that we never become a second reader.
+
+A `done` that never comes is not guessed at: it is asked about on a fresh connection
+(`resolve`). A session not acked yet is closed and stays the holder's. No path loses a
+session, and no path leaves two readers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from . import errors, protocol
+from .channel import Channel, Connect, Deadline
+from .fdpass import close_fds
+from .resolve import resolve, resolve_kept
+from .retrieved import Retrieved
+
+
+class RetrieveMany(Protocol):
+    """`retrieve_many_on` with the client's parts bound (`EscrowClient._retrieve_many_on`)."""
+
+    def __call__(
+        self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
+        journal: bool = False,
+    ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]: ...
+
+
+def check_invariant(
+    welcome: protocol.Welcome, budget: float, what: str = "client timeout"
+) -> None:
+    """DESIGN §4 step 2: never start a retrieve we would give up on while the holder is
+    still legitimately stopping the drain and sending."""
+    holder_needs = welcome.drain_stop_budget + welcome.send_deadline
+    if budget <= holder_needs:
+        raise errors.EscrowConfigError(
+            f"{what} {budget:.3g}s must exceed the holder's drain_stop_budget "
+            f"({welcome.drain_stop_budget:.3g}s) + send_deadline "
+            f"({welcome.send_deadline:.3g}s) = {holder_needs:.3g}s; raise the {what}"
+        )
+
+
+def retrieve_many_on(
+    channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
+    journal: bool = False, *, timeout: float, connect: Connect,
+) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
+    """Retrieve `ids` over `channel` in one request (DESIGN §4, §12): every handoff
+    comes first, then every ack goes out, then every `done` comes back. Returns what
+    was taken back and, per id, what was not. With `keep` the sessions stay escrowed,
+    held by `channel` (a custody connection).
+
+    A `done` that does not come is resolved on a fresh connection (`resolve`); with
+    `keep`, a session is ours only if the holder has it held for this process (a
+    custody that reconnects resumes it), else our copy is closed and it stays escrowed.
+    Raises (after closing every fd it received) only for what spoils the whole call."""
+    check_invariant(channel.welcome, timeout)
+    w = channel.welcome
+    if deadline.remaining() <= w.drain_stop_budget + w.send_deadline:
+        raise errors.HolderUnresponsive(
+            f"not enough time left to retrieve {', '.join(ids[:3])} (the holder may need "
+            f"{w.drain_stop_budget + w.send_deadline:.3g}s)", ids[0],
+        )
+    wanted = set(ids)
+    request: protocol.Message = (
+        protocol.Retrieve(id=ids[0], keep=keep, journal=journal) if len(ids) == 1
+        else protocol.RetrieveMany(ids=ids, keep=keep, journal=journal))
+    got: dict[str, Retrieved] = {}
+    failed: dict[str, errors.EscrowError] = {}
+    acked: list[Retrieved] = []
+    try:
+        channel.send(request, deadline)
+        while len(got) + len(failed) < len(wanted):
+            try:
+                reply, fds = channel.receive(deadline)
+            except errors.EscrowError as exc:
+                sid = exc.session_id
+                if sid not in wanted or sid in got or sid in failed:
+                    raise
+                failed[sid] = exc  # refused: it stays escrowed
+                continue
+            if not isinstance(reply, protocol.Handoff):
+                close_fds(fds)
+                raise errors.ProtocolViolation(
+                    f"expected handoff, got {type(reply).__name__}")
+            sid = reply.session.id
+            if sid not in wanted or sid in got or sid in failed or not os.isatty(fds[0]):
+                # Do not ack: the holder keeps its copies and drains them again when we
+                # hang up.
+                close_fds(fds)
+                if not keep:  # (a custody's connection ends custody when it closes)
+                    channel.close()
+                raise errors.ProtocolViolation(
+                    f"the holder handed off {sid} unasked, twice, or as a non-terminal")
+            got[sid] = Retrieved(
+                fds[0], reply.session, reply.replay, reply.dropped_bytes, reply.handoff_id,
+                confirmed=False, replay_trimmed=reply.replay_trimmed,
+                replay_journaled=reply.replay_journaled, journal=reply.journal,
+                journal_fd=fds[1] if len(fds) > 1 else None)
+        # One ack for all (the holder's answers never pile up unread meanwhile).
+        if len(got) == 1:
+            (result,) = got.values()
+            ack: protocol.Message = protocol.Ack(
+                id=result.session.id, handoff_id=result.handoff_id, keep=keep)
+        elif got:
+            ack = protocol.AckMany(acks={sid: r.handoff_id for sid, r in got.items()},
+                                   keep=keep)
+        if got:
+            acked.extend(got.values())
+            channel.send(ack, deadline)
+            _receive_done(channel, set(got), got, failed, deadline)
+    except (errors.HolderUnresponsive, errors.HolderUnavailable,
+            errors.ProtocolViolation) as exc:
+        if not keep:
+            channel.close()
+        for result in list(got.values()):
+            if result.confirmed:
+                continue
+            if result not in acked:
+                got.pop(result.session.id).close()  # never acked: still the holder's
+                failed[result.session.id] = exc
+                continue
+            try:
+                got[result.session.id] = (resolve_kept(result, connect, timeout) if keep
+                                          else resolve(result, connect, timeout))
+            except errors.EscrowError as unresolved:
+                got.pop(result.session.id)
+                failed[result.session.id] = unresolved
+        for sid in wanted - set(got) - set(failed):
+            failed[sid] = exc
+    except BaseException as exc:
+        for result in list(got.values()):
+            if result not in acked:
+                got.pop(result.session.id).close()  # no ack left us: the holder's
+        if not acked:
+            raise
+        # Interrupted (Ctrl-C, SystemExit) after acks: the holder may well have handed
+        # them off, so closing our copies could hang the terminals up for good. Keep
+        # them open and give them to whoever catches this.
+        exc.retrieved = next(iter(got.values()), None)  # type: ignore[attr-defined]
+        exc.retrieved_all = got  # type: ignore[attr-defined]
+        raise
+    return got, failed
+
+def _receive_done(channel: Channel, waiting: set[str], got: dict[str, Retrieved],
+                  failed: dict[str, errors.EscrowError], deadline: Deadline) -> None:
+    """Read the answer to the ack of `waiting`: `done` (or `done_many`) confirms them;
+    a refusal (`ack_late`, `bad_request`) means the holder kept them and drains them
+    again, so our copies are closed: we must not become a second reader."""
+    try:
+        done, _ = channel.receive(deadline)
+    except (errors.HolderUnresponsive, errors.HolderUnavailable,
+            errors.ProtocolViolation):
+        raise
+    except errors.EscrowError as exc:
+        for sid in waiting:
+            got.pop(sid).close()
+            failed[sid] = exc
+        return
+    ids = ([done.id] if isinstance(done, protocol.Done)
+           else done.ids if isinstance(done, protocol.DoneMany) else [])
+    if set(ids) != waiting:
+        raise errors.ProtocolViolation(f"expected done, got {done!r:.80}")
+    for sid in ids:
+        got[sid].confirmed = True
