@@ -100,12 +100,17 @@ class EscrowClient:
 
         A holder restarting under the call (an upgrade: `busy`, or a connection that
         dropped) is asked again within the timeout: a deposit the old holder had taken is
-        resumed by the new one, never doubled."""
+        resumed by the new one, never doubled. A deposit that got no answer
+        (DepositIndeterminate) is settled by the custody as it ends: deposited again (or
+        resumed) on the next holder, and that custody ended, confirmed."""
         deadline = Deadline(self.timeout)
         while True:
             try:
                 with self.custody() as custody:
-                    custody.deposit(session_id, fd, child_pid, label, cols, rows, meta)
+                    try:
+                        custody.deposit(session_id, fd, child_pid, label, cols, rows, meta)
+                    except errors.DepositIndeterminate:
+                        pass  # custody keeps its copy; its close() settles and ends it
                 return
             except (errors.Busy, errors.HolderUnavailable) as exc:
                 restarting = isinstance(exc, errors.Busy) or exc.dropped

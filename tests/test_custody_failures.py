@@ -80,9 +80,11 @@ class Holder:
 
     def __init__(self, listed: list[str | None], master: int | None = None,
                  journal_file: JournalFile | None = None,
-                 answer_first_deposit: threading.Event | None = None) -> None:
+                 answer_first_deposit: threading.Event | None = None,
+                 drop_first_deposit: bool = False) -> None:
         self.listed = listed
         self.answer_first_deposit = answer_first_deposit
+        self.drop_first_deposit = drop_first_deposit
         self.lists = 0
         self.master = master
         self.journal_file = journal_file
@@ -112,6 +114,9 @@ class Holder:
                 peer.expect(protocol.Ack)  # and no `done`
             elif isinstance(message, protocol.Deposit):
                 deposited.append(terminal)
+                if self.drop_first_deposit:
+                    self.drop_first_deposit = False
+                    return  # taken, and never answered: the holder went away
                 if self.answer_first_deposit is not None:
                     # Late: the client has given up waiting by the time this goes out.
                     assert self.answer_first_deposit.wait(30)
@@ -250,4 +255,20 @@ def test_a_deposit_that_timed_out_is_settled_on_its_connection(
             assert holder.custodies == [[pty_number(master)]], holder.custodies
         finally:
             custody.close()
+    assert fds_open_on(master) == {master}
+
+
+def test_a_hand_off_whose_deposit_got_no_answer_is_settled_and_ended(
+    socket_dir: Path, terminal: tuple[int, int],
+) -> None:
+    """Found by a test that upgrades under load: a hand-off whose deposit the holder took
+    and went away before answering raised DepositIndeterminate to the app, though the
+    hand-off can settle it itself: its custody deposits the terminal again on the next
+    connection and ends it there, confirmed. The app's hand-off returns as done."""
+    master, _ = terminal
+    holder = Holder(listed=[None, "draining"], drop_first_deposit=True)
+    with fake_holder(socket_dir, holder) as fake:
+        fake.client().hand_off(SID, master)
+    assert holder.custodies[:2] == [[pty_number(master)]] * 2, holder.custodies
+    assert holder.lists == 2
     assert fds_open_on(master) == {master}
