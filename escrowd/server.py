@@ -31,12 +31,13 @@ from escrow_client.platform import (
 )
 
 from . import __version__, handoff, journal
-from .adoption import Adoption, adopt, claim_unrecorded, watch_custodian
+from .adoption import Adoption, adopt
 from .config import Config
 from .connection import Connection, SendTimeout
 from .fdstore import HOLDER_NAME, FdStore, StoreError
 from .log import log
 from .registry import Registry, RegistryError
+from .resume import claim_unrecorded, watch_custodian
 from .session import Session
 
 # accept() errors that mean "out of resources for now": pause and retry rather than die.
@@ -445,7 +446,8 @@ class Holder:
                 conn.custodian = True
                 await self._deposited(conn, held, request.journal)
                 return
-            claimed = await claim_unrecorded(self, conn, request.id, terminal)
+            claimed = await claim_unrecorded(conn, request.id, terminal, self.registry,
+                                             self.nursery)
             if claimed is not None:
                 os.close(fd)  # the holder has this terminal already
                 conn.custodian = True
@@ -557,7 +559,7 @@ class Holder:
                 if app_alive:
                     session.log("custody", reason=f"conn={conn.number} dropped by the holder: "
                                 "held while its app lives", custodian_pid=session.custodian_pid)
-                    self.nursery.start_soon(watch_custodian, self, session)
+                    self.nursery.start_soon(watch_custodian, session, self.nursery)
                 else:
                     session.start_drain(self.nursery, f"custodian gone conn={conn.number}")
             except Exception as exc:  # one session's surprise must not stop the others
