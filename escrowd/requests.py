@@ -222,9 +222,9 @@ async def late_ack(holder: Answerer, conn: Connection, ack: protocol.Ack) -> Non
 
 async def late_ack_many(conn: Connection) -> None:
     """An `ack_many` on a connection that has no `retrieve_many` waiting for it."""
-    await conn.send_error("ack_late", "no retrieve_many waits for these acks "
-                          "here: the holder kept the sessions; ack each on "
-                          "its own to complete a handoff it took over")
+    await conn.send_error("ack_late", "no retrieve_many waits for these acks here: the "
+                          "holder kept the sessions; ack each on its own to complete a "
+                          "handoff it took over")
 
 
 async def list_sessions(holder: Answerer, conn: Connection, all_owners: bool) -> None:
@@ -233,8 +233,8 @@ async def list_sessions(holder: Answerer, conn: Connection, all_owners: bool) ->
     try:
         sessions = holder.registry.sessions(owner)
     except OSError as exc:
-        # Out of fds, looking a child process up (psutil opens /proc files)
-        # can fail: answer, never drop the connection (and its custody).
+        # Out of fds, looking a child process up (psutil opens /proc files) can fail:
+        # answer, never drop the connection (and its custody).
         if exc.errno not in FD_EXHAUSTION:
             raise
         await conn.send_error("limit", f"{OUT_OF_FDS}; ask again later")

@@ -1,8 +1,9 @@
-"""Taking up one stored session: from the fds an earlier holder left in the store under
-one name to the session each PTY master becomes (escrowd.adoption has the whole story).
+"""Taking up one stored group: from the fds an earlier holder left in the store under one
+name to the session each PTY master among them becomes (escrowd.adoption has the whole
+story, and pairs masters with records).
 
 `sort_fds` tells the group's fds apart: PTY masters, regular files (state files, maybe),
-and the rest, which are never read (a PTY slave would give the holder the user's
+and the rest, which adoption closes unread (a PTY slave would give the holder the user's
 keystrokes). `believed_records` keeps the state files whose record can be believed for
 the group's token (escrowd.bounds holds every field to its bounds) and closes the others,
 remembering an owner/id any record of that token says. A master with a believed record
