@@ -35,7 +35,7 @@ import struct
 import sys
 import tempfile
 import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from escrow_client import protocol
 from escrow_client.journal import (
@@ -49,11 +49,8 @@ from escrow_client.journal import (
     unmap,
 )
 
-from .fdstore import journal_name
-from .ring import Budget
-
-if TYPE_CHECKING:
-    from .session import Session
+from .fdstore import FdStore, journal_name
+from .ring import Budget, Ring
 
 # A counter at or past this is not believed (no terminal prints 4 EiB).
 _MAX_TOTAL = 1 << 62
@@ -129,7 +126,26 @@ class JournalFile:
         unmap(self, ("data", "_counters"))
 
 
-def grant(session: Session) -> tuple[protocol.Journal, int] | None:
+class Journaled(Protocol):
+    """What the hand-over reads and changes of a session (escrowd.session.Session): its
+    ring, the journal file it has, and the totals its record keeps."""
+
+    token: str
+    store: FdStore
+    private_dir: str | None
+    ring: Ring
+    journal: JournalFile | None
+    journal_from: int | None
+    journal_copying: bool
+    journal_ranges: list[tuple[int, int]]
+    gap_totals: list[int]
+
+    def persist(self, clean: bool = False) -> None: ...
+
+    def log(self, event: str, **fields: object) -> None: ...
+
+
+def grant(session: Journaled) -> tuple[protocol.Journal, int] | None:
     """A journal for the app that holds `session`: where it writes, and the journal file
     to send it (its own, if it journals already: a resume). None if no ring storage can be
     had for one. The holder must not be draining the session."""
@@ -158,14 +174,14 @@ def grant(session: Session) -> tuple[protocol.Journal, int] | None:
     return layout, file.fd
 
 
-def begin(session: Session) -> None:
+def begin(session: Journaled) -> None:
     """The app holds the session and writes its journal from now on."""
     if session.journal_from is None:
         session.journal_from = session.ring.total
         session.persist()
 
 
-def end(session: Session) -> None:
+def end(session: Journaled) -> None:
     """Custody ended: copy what the app recorded into the replay (see the module's
     docstring), and let go of the journal file."""
     start = session.journal_from
@@ -206,7 +222,7 @@ def end(session: Session) -> None:
     close_journal(session)
 
 
-def close_journal(session: Session) -> None:
+def close_journal(session: Journaled) -> None:
     """Let go of the session's journal file (the holder's copy and the store's)."""
     if session.journal is not None:
         if session.journal.store_name is not None:
@@ -241,7 +257,7 @@ def _what_to_copy(file: JournalFile, ours: int) -> tuple[int, memoryview, bool, 
     return total - held, data, torn, doubt
 
 
-def journaled(session: Session, replay_from: int) -> int:
+def journaled(session: Journaled, replay_from: int) -> int:
     """How many bytes of a replay that starts at byte number `replay_from` the app
     recorded. Ranges wholly before the ring's oldest byte are forgotten."""
     ranges = [(a, b) for a, b in session.journal_ranges if b > replay_from]

@@ -20,7 +20,8 @@ FDSTORE: `ESCROWD_STORED=<n>` once the fds are in its store, or `ESCROWD_STORE_F
 environment says how many fds the store can take, as systemd 254 says it.
 
 It has no event loop library and no session logic, so that it is small enough to trust:
-one `poll` over the holder's channel and a self-pipe for signals.
+one `poll` over the holder's channel and a self-pipe for signals. The channel's messages
+and answers are escrowd.notify; the fork and exec of a holder, escrowd.spawn.
 
 Signals: SIGTERM stops the holder, then the keeper, and closes every stored fd (the
 terminals no app holds hang up: this is `escrowctl stop --force`). SIGINT (Ctrl-C in the
@@ -38,14 +39,12 @@ isolated from the caller's environment (escrow_client.interpreter).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import resource
 import select
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import time
@@ -53,19 +52,13 @@ import time
 from escrow_client import paths
 from escrow_client.fdpass import close_fds
 from escrow_client.interpreter import CHILD_CWD, python_command
-from escrow_client.platform import PASSCRED, RECV_FLAGS, SEND_FLAGS
 
 from .config import Config
-from .fdstore import (
-    NOTIFY_FD_ENV,
-    SESSION_PREFIX,
-    STORE_FAILED,
-    STORE_ID,
-    STORED,
-    is_store_name,
-)
+from .fdstore import SESSION_PREFIX
 from .lifecycle import StartupError, bind_socket, remove_leftover_socket, take_lock
 from .log import log
+from .notify import channel_pair, read_notifications
+from .spawn import fork_holder
 
 KEEPER_ENV = "ESCROWD_KEEPER_PID"  # tells the holder who keeps its fds (its parent)
 LISTENER_NAME = "escrowd.socket"  # as systemd names a .socket unit's fd
@@ -73,7 +66,6 @@ WATCHDOG_SECONDS = 30.0  # a holder whose event loop does not ping for this long
 STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
 _RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
-_MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 _OWN_FDS = 64  # what the keeper needs for itself, beyond the fds it stores
 
 
@@ -107,23 +99,6 @@ def main(config: Config, argv: list[str]) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(leftover)
         os.close(lock_fd)
-
-
-def channel_pair() -> tuple[socket.socket, socket.socket]:
-    """The keeper's end and the holder's end of a new channel. The keeper's end is told
-    the sender's credentials with each datagram where the platform can, and has room for a
-    burst of deposits (one store message each)."""
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        if PASSCRED is not None:
-            mine.setsockopt(socket.SOL_SOCKET, PASSCRED, 1)
-        mine.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        mine.setblocking(False)
-    except OSError:
-        mine.close()
-        theirs.close()
-        raise
-    return mine, theirs
 
 
 def store_capacity() -> int:
@@ -253,20 +228,12 @@ class Keeper:
         env = dict(os.environ, FDSTORE=str(store_capacity()))
         env[KEEPER_ENV] = str(os.getpid())
         try:
-            pid = os.fork()
+            pid = fork_holder(argv, env, [*fds, theirs.fileno()], names, WATCHDOG_SECONDS, mine)
         except OSError as exc:
             mine.close()
             theirs.close()
             self._not_started(f"cannot fork: {exc.strerror}")
             return
-        if pid == 0:  # the child: nothing here may return to the keeper's loop
-            try:
-                mine.close()
-                _exec_holder(argv, [*fds, theirs.fileno()], names, env)
-            except BaseException as exc:
-                log("keeper_exec_failed", error=repr(exc), reason="the holder did not start")
-            finally:
-                os._exit(127)
         theirs.close()
         self.channel = mine
         self.poller.register(mine, select.POLLIN)
@@ -371,89 +338,19 @@ class Keeper:
                 os.kill(self.holder, signal.SIGKILL)
             self.last_ping = None
 
-    # --- the notify protocol -----------------------------------------------------------------
+    # --- the holder's notifications (escrowd.notify) -----------------------------------------
 
     def _messages(self) -> None:
-        space = socket.CMSG_SPACE(_MAX_FDS_PER_MESSAGE * 4) + socket.CMSG_SPACE(12)
-        while self.channel is not None:
-            try:
-                data, ancdata, flags, _ = self.channel.recvmsg(4096, space, RECV_FLAGS)
-            except (BlockingIOError, InterruptedError):
-                return
-            fds, sender = _unpack(ancdata)
-            fields = _fields(data)
-            if sender is not None and sender != self.holder:
-                close_fds(fds)  # only the holder we started may store fds here
-                log("keeper_refused", sender_pid=sender, reason="not from the holder")
-                continue
-            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-                # At the fd limit the kernel drops the fds it cannot install: what came is
-                # not the whole message, and the holder must not answer `deposited`.
-                close_fds(fds)
-                log("keeper_refused", name=fields.get("FDNAME"),
-                    reason="a truncated notification (the keeper is out of fds?)")
-                self._answer(fields, False, "the keeper could not take the fds: it is at its "
-                             "file descriptor limit")
-                continue
-            self._handle(fields, fds)
+        if self.channel is not None:
+            read_notifications(self.channel, self.store, self.holder, self._pinged)
 
-    def _handle(self, fields: dict[str, str], fds: list[int]) -> None:
-        if fields.get("FDSTORE") == "1":
-            name = fields.get("FDNAME", "stored")
-            if fds and is_store_name(name):
-                self.store.setdefault(name, []).extend(fds)
-                fds = []
-                self._answer(fields, True)
-            else:
-                log("keeper_refused", name=name, reason="not a name the holder stores")
-                self._answer(fields, False, "not a name the holder stores, or no fds")
-        close_fds(fds)  # fds that came without a valid FDSTORE are not kept
-        if fields.get("FDSTOREREMOVE") == "1":
-            close_fds(self.store.pop(fields.get("FDNAME", ""), []))
-        if fields.get("READY") == "1":
-            log("keeper_holder_ready", holder_pid=self.holder, stored=len(self.store))
-        if fields.get("READY") == "1" or fields.get("WATCHDOG") == "1":
-            self.last_ping = time.monotonic()
-
-    def _answer(self, fields: dict[str, str], stored: bool, reason: str = "") -> None:
-        """Tell the holder whether a store it numbered (ESCROWD_STORE_ID) was kept. A
-        holder that gets no answer in time refuses the deposit itself."""
-        number = fields.get(STORE_ID)
-        if number is None or self.channel is None:
-            return
-        text = f"{STORED}={number}" if stored else f"{STORE_FAILED}={number}\nREASON={reason}"
-        try:
-            self.channel.send(text.encode(), SEND_FLAGS)
-        except OSError as exc:  # its queue is full, or it died: it times out, or is gone
-            log("keeper_answer_lost", store_id=number, error=exc.strerror or repr(exc))
+    def _pinged(self) -> None:
+        self.last_ping = time.monotonic()
 
     def _close_store(self) -> None:
         for fds in self.store.values():
             close_fds(fds)
         self.store.clear()
-
-
-def _exec_holder(argv: list[str], fds: list[int], names: list[str],
-                 env: dict[str, str]) -> None:
-    """In the forked child: put `fds` at 3, 4, ... as systemd would (the last one, the
-    channel, just after the LISTEN_FDS ones), and exec the holder from `/`."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:  # a holder with many sessions needs many fds; so does this shuffle
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    # Out of the way first, the few that sit where the targets are (so that no dup2
-    # overwrites one still needed); the rest are put in place from where they are.
-    end = 3 + len(fds)
-    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, end) if fd < end else fd for fd in fds]
-    for target, fd in enumerate(fds, start=3):
-        os.dup2(fd, target)  # inheritable
-    listen = len(fds) - 1
-    env.update(LISTEN_FDS=str(listen), LISTEN_PID=str(os.getpid()),
-               LISTEN_FDNAMES=":".join(names), WATCHDOG_USEC=str(int(WATCHDOG_SECONDS * 1e6)),
-               WATCHDOG_PID=str(os.getpid()))
-    env[NOTIFY_FD_ENV] = str(3 + listen)
-    env.pop("NOTIFY_SOCKET", None)  # a variable meant for the keeper's own manager
-    os.chdir(CHILD_CWD)
-    os.execve(argv[0], argv, env)
 
 
 def _terminal_hung_up() -> bool:
@@ -470,26 +367,3 @@ def _terminal_hung_up() -> bool:
         if any(events & select.POLLHUP for _, events in poller.poll(0)):
             return True
     return False
-
-
-def _unpack(ancdata: list[tuple[int, int, bytes]]) -> tuple[list[int], int | None]:
-    fds: list[int] = []
-    sender: int | None = None
-    for level, kind, data in ancdata:
-        if level != socket.SOL_SOCKET:
-            continue
-        if kind == socket.SCM_RIGHTS:
-            usable = len(data) - len(data) % 4
-            fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
-        elif kind == getattr(socket, "SCM_CREDENTIALS", None) and len(data) >= 12:
-            sender = struct.unpack("3i", data[:12])[0]
-    return fds, sender
-
-
-def _fields(data: bytes) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for line in data.decode("utf-8", "replace").split("\n"):
-        key, sep, value = line.partition("=")
-        if sep:
-            fields[key] = value
-    return fields

@@ -25,8 +25,8 @@ from hostile import read_more_lines
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
 from escrow_client import EscrowClient, EscrowError, fdpass
-from escrowd.adoption import LOST_LABEL
 from escrowd.fdstore import STORE_DEADLINE
+from escrowd.takeup import LOST_LABEL
 
 TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo L$i; sleep 0.02; done"]
 

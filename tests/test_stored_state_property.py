@@ -32,8 +32,8 @@ from test_untrusted_state import live
 
 from conftest import HolderProcess, PtyChild, spawn_in_pty, wait_for
 from escrow_client import EscrowClient, EscrowError, protocol
-from escrowd.adoption import LOST_LABEL
 from escrowd.statefile import BIG_SLOT, PAGE
+from escrowd.takeup import LOST_LABEL
 
 SESSIONS = 10
 EXAMPLES = int(os.environ.get("ESCROW_PROPERTY_EXAMPLES", "6"))

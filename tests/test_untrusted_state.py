@@ -29,8 +29,8 @@ from statefiles import forge, record_of, scribble, set_total, state_files
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
 from escrow_client import EscrowClient, EscrowError, protocol
-from escrowd.adoption import LOST_LABEL
 from escrowd.statefile import BIG_SLOT
+from escrowd.takeup import LOST_LABEL
 
 
 # A child that prints one line naming itself, then waits (its terminal is all it has).
