@@ -542,11 +542,20 @@ async def test_a_master_that_cannot_be_taken_up_now_is_taken_up_later(
         async with trio.open_nursery() as nursery:
             holder._nursery = nursery
             stored = {group: [os.dup(master)]}
+            # Out of fds for real: a limit at what is open, and every hole below it filled.
             resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")),
                                                         limits[1]))
+            filler: list[int] = []
+            try:
+                while True:
+                    filler.append(os.dup(0))
+            except OSError:
+                pass
             try:
                 report = await adopt(holder, stored)
             finally:
+                for fd in filler:
+                    os.close(fd)
                 resource.setrlimit(resource.RLIMIT_NOFILE, limits)
             assert report.held_back and not holder.registry.live, "taken up without fds?"
             with trio.fail_after(10):
