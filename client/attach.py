@@ -1,7 +1,7 @@
 """Attach: pick up an escrowed session from any terminal, with the holder out of the data
-path (DESIGN §13). `escrowctl attach` and `escrowctl run` are thin over this module.
+path (docs/design.md §13). `escrowctl attach` and `escrowctl run` are thin over this module.
 
-An attachment holds the session in custody (DESIGN §12): the session stays escrowed, and
+An attachment holds the session in custody (docs/design.md §12): the session stays escrowed, and
 the terminal escrowctl runs in (the *local terminal*) reads the real PTY master, so every
 byte goes from the program to the local terminal without passing through the holder. What
 escrowctl reads it records in the session's journal, so the ring keeps everything the

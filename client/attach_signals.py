@@ -1,4 +1,4 @@
-"""The signals an attachment acts on, seen by its copy loop without a race (DESIGN §13).
+"""The signals an attachment acts on, seen by its copy loop without a race (docs/design.md §13).
 
 SIGTERM, SIGHUP and SIGINT detach (`DETACHING`: the session goes on, drained by the holder
 again); SIGWINCH gives the session the local terminal's new size; SIGCHLD, for `run`, may

@@ -1,4 +1,4 @@
-"""`EscrowClient`: give PTY masters to escrowd, and take them back (DESIGN §8).
+"""`EscrowClient`: give PTY masters to escrowd, and take them back (docs/design.md §8).
 
 A blocking API with deadlines, for any app; an async app calls it from a thread. It never
 imports an event loop.

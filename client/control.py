@@ -2,7 +2,7 @@
 what each does to it.
 
 The holder that answered `status` names itself (its pid) and, when it runs under a keeper,
-the keeper (DESIGN §11). The process to signal is the one that holds the lock (F_GETLK):
+the keeper (docs/design.md §11). The process to signal is the one that holds the lock (F_GETLK):
 the keeper when there is one (it stops, or replaces, its holder), else the holder itself.
 Both proofs must agree, or nothing is signalled: a pid named by one witness alone could be
 a process that only looks like the holder.

@@ -1,5 +1,5 @@
 """Custody: the app keeps its sessions escrowed for as long as it runs, and knows whether
-they are (DESIGN §3, §11 "Custody survives too").
+they are (docs/design.md §3, §11 "Custody survives too").
 
 A `Custody` is a custodian connection: sessions deposited through it stay `held` (the app is
 their reader) until it closes, by `close()` or the process dying; then the holder drains
@@ -14,7 +14,7 @@ resumed (a deposit from the same process and the same terminal), one it does not
 deposited again from the kept duplicate. Then `protected` is True again. A deposit that
 got no answer is kept, and settled (`custody_settle`).
 
-Retrieving into custody (DESIGN §12): `retrieve` and `reclaim_all` take sessions back and
+Retrieving into custody (docs/design.md §12): `retrieve` and `reclaim_all` take sessions back and
 keep them escrowed, held by this custody, in one step: no moment exists in which a crash of
 the app loses them.
 
@@ -22,7 +22,7 @@ Journal: a session deposited (or retrieved) with `journal=True` gets its replay 
 here, and `record` (or `read`, which reads and records) appends what the app read, so that
 after a crash the replay holds what the session printed before it too.
 
-Forking: a child of the app never holds custody (DESIGN §3): at fork, the child closes every
+Forking: a child of the app never holds custody (docs/design.md §3): at fork, the child closes every
 custody socket and kept duplicate, and runs no watcher (threads do not survive fork).
 """
 

@@ -1,5 +1,5 @@
 """A custody's hold on its sessions: the connection they are held on, the duplicates kept
-of them, and whether they are protected right now (DESIGN §11 "Custody survives too").
+of them, and whether they are protected right now (docs/design.md §11 "Custody survives too").
 
 `Custody` is what the app calls; a `Hold` is what keeps its sessions held between the
 calls, and what the watcher (`custody_watch`) works on:
@@ -12,7 +12,7 @@ calls, and what the watcher (`custody_watch`) works on:
 - the wake-up pipe, by which a call, a deposit to settle or close() brings the watcher
   round.
 
-Forking: a child of the app never holds custody (DESIGN §3): at fork, the child closes every
+Forking: a child of the app never holds custody (docs/design.md §3): at fork, the child closes every
 custody socket and kept duplicate, and runs no watcher (threads do not survive fork).
 """
 

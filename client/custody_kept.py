@@ -1,4 +1,4 @@
-"""What a custody keeps of each session, so that it can give it again (DESIGN §11).
+"""What a custody keeps of each session, so that it can give it again (docs/design.md §11).
 
 For every session deposited (or retrieved) into custody, the app keeps: the `deposit`
 request that put it in escrow (updated as its size and meta change), a duplicate of its

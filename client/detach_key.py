@@ -1,4 +1,4 @@
-"""The detach key: how the user leaves an attached session without ending it (DESIGN §13).
+"""The detach key: how the user leaves an attached session without ending it (docs/design.md §13).
 
 A control key (`^\\` by default), given on the command line in caret notation or as
 `C-x`, or `none`. One press detaches: once `DOUBLE_PRESS` seconds pass with nothing after

@@ -1,5 +1,5 @@
 """The journal: an app records what it reads from a held session, so that after a crash the
-replay holds everything the session printed, before the crash and after (DESIGN §12).
+replay holds everything the session printed, before the crash and after (docs/design.md §12).
 
 When a journal is asked for, the holder sends with `deposited` (or `handoff`) a journal
 file of the session's own: a fixed header, three counters and a ring, nothing else. It is

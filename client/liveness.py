@@ -4,7 +4,7 @@ A process: is it alive, and is it still the same process? Three answers: True, F
 None. False needs positive proof (no such pid, a zombie, or a different start time);
 anything that cannot be told is None, never rounded to False.
 
-The holder on a socket path: `holder_verdict` judges it by DESIGN §7's table from what it
+The holder on a socket path: `holder_verdict` judges it by docs/design.md §7's table from what it
 observes itself (the lock, read with F_GETLK; one connection to the socket; the pidfile and
 any leftovers), and changes nothing.
 """
@@ -64,7 +64,7 @@ def process_name(pid: int) -> str | None:
         return None
 
 
-# --- the holder on a socket path (DESIGN §7) ----------------------------------------------
+# --- the holder on a socket path (docs/design.md §7) ----------------------------------------------
 
 # How long `escrowctl status` waits for an answer by default: short, because a monitor runs
 # it all day, and a holder that answers at all answers `status` in milliseconds.
@@ -273,7 +273,7 @@ class Verdict:
 
 def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
                    list_sessions: bool = False) -> Verdict:
-    """Judge the holder on `socket_path` by DESIGN §7's table (the first matching row wins):
+    """Judge the holder on `socket_path` by docs/design.md §7's table (the first matching row wins):
 
     | evidence                                                         | verdict         |
     |------------------------------------------------------------------|-----------------|
@@ -286,7 +286,7 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     |   alone is what a stopped systemd socket unit keeps, on purpose) |                 |
     | anything else (the lock cannot be read, say)                     | `indeterminate` |
 
-    Trust first (DESIGN §6): a socket directory that is not this user's own (or a listener
+    Trust first (docs/design.md §6): a socket directory that is not this user's own (or a listener
     of another uid) is `indeterminate`, with `evidence["trust"]` saying why, and nothing
     there is read or sent to.
 

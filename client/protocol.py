@@ -85,7 +85,7 @@ class Hello(Message, tag="hello"):
 
 class Deposit(Message, tag="deposit"):
     """Carries the PTY master as SCM_RIGHTS. The sending connection becomes its custodian.
-    `journal`: the app will record what it reads into a journal (DESIGN §12);
+    `journal`: the app will record what it reads into a journal (docs/design.md §12);
     `deposited` then carries the journal file."""
 
     id: Name
@@ -209,7 +209,7 @@ class Welcome(Message, tag="welcome"):
 
 
 class Journal(msgspec.Struct, kw_only=True):
-    """Where the app writes in the journal file's ring (escrow_client.journal, DESIGN §12):
+    """Where the app writes in the journal file's ring (escrow_client.journal, docs/design.md §12):
     the ring's `capacity` in bytes, and the `position` in its data area where the byte
     counted as number `total` goes (the file's counter then said `total`)."""
 
@@ -273,7 +273,7 @@ class HolderStatus(Message, tag="holder_status"):
     limits: dict[str, int] = {}
     open_fds: int | None = None
     rss_bytes: int | None = None
-    # Surviving the holder (DESIGN §11): this holder process, who keeps the fds while no
+    # Surviving the holder (docs/design.md §11): this holder process, who keeps the fds while no
     # holder runs ("systemd", "keeper" or "none"), and what it found at start.
     instance: str = ""
     fd_store: str = "none"

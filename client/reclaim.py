@@ -1,4 +1,4 @@
-"""Reclaiming: an app at launch takes back every session of its owner (DESIGN §4, §12).
+"""Reclaiming: an app at launch takes back every session of its owner (docs/design.md §4, §12).
 
 One connection, one shared deadline. First the holder's status (who answered, and whether
 it restarted: an empty report from a holder that started with nothing after restarts means

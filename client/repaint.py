@@ -1,5 +1,5 @@
 """Repaint: make the full-screen program on a retrieved session draw its screen again
-(DESIGN §12).
+(docs/design.md §12).
 
 A relaunched app has a blank screen (plus whatever replay the holder kept), while vim, less,
 top or a shell prompt on the session drew their screen before the crash and will not draw it

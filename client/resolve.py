@@ -1,4 +1,4 @@
-"""Resolving a handoff whose `done` never came (DESIGN §4 step 8).
+"""Resolving a handoff whose `done` never came (docs/design.md §4 step 8).
 
 The ack went out and no answer came back (a timeout, a dropped connection, a holder that
 restarted under us). We hold our copy of the master, unread, and do not guess whose it is:
@@ -29,7 +29,7 @@ from .retrieved import Retrieved
 
 
 def resolve(result: Retrieved, connect: Connect, timeout: float) -> Retrieved:
-    """`done` never came: ask on a fresh connection who owns the fd (DESIGN §4 step 8).
+    """`done` never came: ask on a fresh connection who owns the fd (docs/design.md §4 step 8).
     We still hold our copy, unread."""
     sid = result.session.id
     deadline = Deadline(timeout)

@@ -1,8 +1,8 @@
-"""The retrieve path: taking sessions back over one connection (DESIGN §4 step 8, §12).
+"""The retrieve path: taking sessions back over one connection (docs/design.md §4 step 8, §12).
 
 One `retrieve` names one session, one `retrieve_many` several; both go the same way:
 
-1. Check the timeout invariant (DESIGN §4 step 2): never start a retrieve we would give up
+1. Check the timeout invariant (docs/design.md §4 step 2): never start a retrieve we would give up
    on while the holder is still legitimately stopping the drain and sending. A client
    timeout (or a reclaim deadline) too short for that is an `EscrowConfigError`, and a
    retrieve with too little of its deadline left is not sent.
@@ -43,7 +43,7 @@ class RetrieveMany(Protocol):
 def check_invariant(
     welcome: protocol.Welcome, budget: float, what: str = "client timeout"
 ) -> None:
-    """DESIGN §4 step 2: never start a retrieve we would give up on while the holder is
+    """docs/design.md §4 step 2: never start a retrieve we would give up on while the holder is
     still legitimately stopping the drain and sending."""
     holder_needs = welcome.drain_stop_budget + welcome.send_deadline
     if budget <= holder_needs:
@@ -58,7 +58,7 @@ def retrieve_many_on(
     channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
     journal: bool = False, *, timeout: float, connect: Connect,
 ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
-    """Retrieve `ids` over `channel` in one request (DESIGN §4, §12): every handoff
+    """Retrieve `ids` over `channel` in one request (docs/design.md §4, §12): every handoff
     comes first, then every ack goes out, then every `done` comes back. Returns what
     was taken back and, per id, what was not. With `keep` the sessions stay escrowed,
     held by `channel` (a custody connection).

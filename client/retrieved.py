@@ -1,4 +1,4 @@
-"""`Retrieved`: a session taken back from the holder, as the app gets it (DESIGN §4, §12).
+"""`Retrieved`: a session taken back from the holder, as the app gets it (docs/design.md §4, §12).
 
 What a retrieve hands over is the PTY master, the replay to write to the emulator before
 reading it, and whether the holder confirmed the handoff (`done`). Until `confirmed`, the
@@ -24,7 +24,7 @@ class Retrieved:
     confirm it (it is gone, which took its copy with it, or it did not answer again): the
     fd is the caller's, and `EscrowClient.list()` tells what the holder thinks later.
     `dropped_bytes` were lost to a full ring before `replay`; `replay_trimmed` more were
-    cut so that it starts on a clean boundary (DESIGN §12); `replay_journaled` of its
+    cut so that it starts on a clean boundary (docs/design.md §12); `replay_journaled` of its
     bytes were recorded by the app before (a journal), the rest drained by the holder.
     """
 

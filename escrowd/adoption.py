@@ -1,5 +1,5 @@
 """Adoption: a holder that starts with stored fds takes up what an earlier holder left
-(DESIGN §11).
+(docs/design.md §11).
 
 Each stored session is a group of fds under one name (escrowd.fdstore): its PTY master, its
 state file and, while an app journals it, the journal file. Nothing stored is believed

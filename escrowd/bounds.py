@@ -1,4 +1,4 @@
-"""What a record read back from storage must satisfy to be believed (DESIGN §11, Adoption).
+"""What a record read back from storage must satisfy to be believed (docs/design.md §11, Adoption).
 
 A state file outlives the holder that wrote it, in a store that others can reach: another
 process of the user can write it through /proc, a bug can write it wrong, and a CRC-32

@@ -12,7 +12,7 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class Config:
     socket_path: str
-    # The handoff (DESIGN §4). A client's deadline must exceed budget + send deadline.
+    # The handoff (docs/design.md §4). A client's deadline must exceed budget + send deadline.
     drain_stop_budget: float = 3.0
     send_deadline: float = 1.0
     ack_deadline: float = 10.0

@@ -1,5 +1,5 @@
 """The fd store: where a session's two fds (its PTY master and its state file) wait while
-no holder runs (DESIGN §11).
+no holder runs (docs/design.md §11).
 
 Under systemd it is the service manager's own (`FDSTORE=1` on $NOTIFY_SOCKET); everywhere
 else it is the keeper's, which speaks the same protocol. Either way a restarted holder gets

@@ -1,4 +1,4 @@
-"""The handoff: giving escrowed PTY masters back to a relaunched app (DESIGN §4, §12).
+"""The handoff: giving escrowed PTY masters back to a relaunched app (docs/design.md §4, §12).
 
 One `retrieve` names one session, one `retrieve_many` several (an app reclaiming all its
 sessions at launch, over one connection); both go the same way. Read top to bottom, this is

@@ -1,4 +1,4 @@
-"""The holder's side of a journal (DESIGN §12): an app that holds a session records what it
+"""The holder's side of a journal (docs/design.md §12): an app that holds a session records what it
 reads into a journal file, and the holder copies it into the session's replay when custody
 ends.
 

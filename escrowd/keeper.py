@@ -1,5 +1,5 @@
 """The keeper: what `escrowd` runs by default (scripts/holder, autostart, launchd), so that
-the escrow outlives the holder where systemd does not keep it (DESIGN §11).
+the escrow outlives the holder where systemd does not keep it (docs/design.md §11).
 
 The keeper takes the lock, binds the socket, and runs the holder (`escrowd --bare`) as its
 child, speaking to it the subset of systemd's protocol the holder already speaks:

@@ -1,4 +1,4 @@
-"""Start-up and shut-down of one holder on one socket path (DESIGN §6).
+"""Start-up and shut-down of one holder on one socket path (docs/design.md §6).
 
 Order: take the lock, remove a leftover socket (holding the lock proves no holder owns it),
 bind and listen (or take the socket systemd passed), write the pidfile atomically, report

@@ -1,6 +1,6 @@
 """Wait for a process to exit, without polling: a pidfd on Linux, a kqueue NOTE_EXIT on macOS.
 
-The holder uses it for a `held` session it adopted (DESIGN §11): the app that held custody
+The holder uses it for a `held` session it adopted (docs/design.md §11): the app that held custody
 is still running, but its connection went with the old holder. The session stays held while
 that process lives and starts draining the moment there is positive proof that it died.
 """

@@ -6,7 +6,7 @@ them and dispatches them; a retrieve is escrowd.handoff's).
   has already takes custody back instead: its app, back on a new connection after the
   holder restarted, or an app claiming a session adopted without its record
   (escrowd.resume). A new session is answered `deposited` only once its fds are safe in
-  the fd store (DESIGN §11); the connection becomes its custodian, and is sent the journal
+  the fd store (docs/design.md §11); the connection becomes its custodian, and is sent the journal
   file if it asked for one (escrowd.journal).
 - `update`: a session's size or meta, kept in its record (`limit` if they would not fit).
 - `release`: ends a session (not one being handed off: `busy`); its tombstone says
@@ -108,7 +108,7 @@ async def deposit(holder: Answerer, conn: Connection, request: protocol.Deposit,
                       terminal, conn.client, holder.instance, custodian_start,
                       holder.store, holder.registry.private_dir)
     holder.registry.add(session)
-    # Answered only once both fds are safe outside this process (DESIGN §11).
+    # Answered only once both fds are safe outside this process (docs/design.md §11).
     session.storing = True
     try:
         await holder.store.store(session.store_name, [fd, ring.state.fd])
@@ -275,7 +275,7 @@ async def status(holder: Answerer, conn: Connection) -> None:
 def _resumes(session: Session, conn: Connection, terminal: tuple[int, int] | None) -> bool:
     """A deposit that takes custody back rather than escrowing anew: the session is held by
     nobody connected (the holder restarted and adopted it), and the deposit comes from the
-    same process, with the same terminal (DESIGN §11, "Custody survives too")."""
+    same process, with the same terminal (docs/design.md §11, "Custody survives too")."""
     return (session.state == "held" and session.custodian is None
             and session.custodian_pid == conn.peer_pid
             and terminal is not None and terminal == session.terminal)

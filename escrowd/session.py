@@ -137,7 +137,7 @@ class Session:
         self.log("custody", reason=reason, custodian_pid=self.custodian_pid)
 
     def persist(self, clean: bool = False) -> None:
-        """Write this session's record into its state file (DESIGN §11): what a holder
+        """Write this session's record into its state file (docs/design.md §11): what a holder
         that adopts it needs. `clean` only when this holder stops cleanly."""
         if self.fd < 0:
             return  # closed: its state file is gone with it

@@ -1,4 +1,4 @@
-"""A session's state outside the holder process (DESIGN §11): one shared-memory file with
+"""A session's state outside the holder process (docs/design.md §11): one shared-memory file with
 its replay ring and its metadata, which outlives the holder in the service manager's fd
 store (or the keeper's) next to the PTY master. It is the holder's alone: no app is ever
 sent it (an app that journals writes a file of its own, escrow_client.journal).

@@ -1,4 +1,4 @@
-"""Where a wrapped replay may start (DESIGN §12, "A clean start").
+"""Where a wrapped replay may start (docs/design.md §12, "A clean start").
 
 A ring that wrapped dropped its oldest bytes wherever the count fell: its replay may begin in
 the middle of a line, of an escape sequence or of a UTF-8 character. Written as it is to a

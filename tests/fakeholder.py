@@ -36,7 +36,7 @@ from escrow_client.platform import pty_number
 
 OWNER = "com.example.term"
 SID = "tab-1"
-# Budgets small enough for a 2 s client timeout (DESIGN §4 step 2: timeout > budget + send).
+# Budgets small enough for a 2 s client timeout (docs/design.md §4 step 2: timeout > budget + send).
 WELCOME = protocol.Welcome(
     version=protocol.VERSION, holder_version="fake", pid=os.getpid(), drain_stop_budget=0.2,
     send_deadline=0.2, ack_deadline=2.0, limits={"max_request_bytes": protocol.MAX_REQUEST_BYTES},

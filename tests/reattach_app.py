@@ -1,4 +1,4 @@
-"""A terminal app for the reattach tests (DESIGN §12), run as its own process so that a
+"""A terminal app for the reattach tests (docs/design.md §12), run as its own process so that a
 test can SIGKILL it:
 
     reattach_app.py SOCKET SID OUT new [--journal]

@@ -1,5 +1,5 @@
-"""Three sessions that must outlive the holder (DESIGN §11), whoever restarts it (the keeper,
-systemd) and however it goes (SIGKILL, the watchdog, a restart):
+"""Three sessions that must outlive the holder (docs/design.md §11), whoever restarts it
+(the keeper, systemd) and however it goes (SIGKILL, the watchdog, a restart):
 
 - `draining`: a shell printing numbered lines (L1, L2, ...) every 20 ms, handed off;
 - `exited`: a child that wrote a 200 KB tail of numbered records and exited;

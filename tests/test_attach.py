@@ -1,4 +1,4 @@
-"""`escrowctl attach` and `escrowctl run` (DESIGN §13).
+"""`escrowctl attach` and `escrowctl run` (docs/design.md §13).
 
 On a real screen: each test has its own tmux server (`-S` in a temporary directory, `-f
 /dev/null`), whose panes run a plain bash; the test types into them with send-keys and reads

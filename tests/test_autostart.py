@@ -1,4 +1,4 @@
-"""`EscrowClient(autostart=True)` (DESIGN §8): when nothing answers, the client starts a
+"""`EscrowClient(autostart=True)` (docs/design.md §8): when nothing answers, the client starts a
 detached holder and waits for it; several apps starting at once end with one holder serving
 all of them; an autostarted holder goes away by itself once it holds nothing (`--idle-exit`).
 

@@ -1,4 +1,4 @@
-"""The circuit breaker (DESIGN §4 "Many sessions at launch"): a wedged holder costs an app
+"""The circuit breaker (docs/design.md §4 "Many sessions at launch"): a wedged holder costs an app
 one timeout, not one per session, and nothing escrowed is lost.
 
 A wedged holder is a real holder stopped with SIGSTOP: the kernel still accepts connections
@@ -35,7 +35,8 @@ from escrow_client import (
 )
 from escrow_client.channel import Channel, Deadline
 
-# Budgets small enough that a 1 s client timeout passes the timeout invariant (DESIGN §4.2).
+# Budgets small enough that a 1 s client timeout passes the timeout invariant
+# (docs/design.md §4, step 2).
 FAST_BUDGETS = ("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
 CLIENT_TIMEOUT = 1.0
 SESSIONS = 5
@@ -214,7 +215,8 @@ def test_holder_wedging_mid_reclaim_costs_one_timeout_not_one_per_session(
         wait_for(lambda: _states(holder) == dict.fromkeys(kids, "draining"),
                  what="all five draining again after the wedge")
         # The retrieve was queued in the stopped holder: on resuming it hands off to a
-        # client that has gone, the sends fail, and the sessions drain again (DESIGN §4.6).
+        # client that has gone, the sends fail, and the sessions drain again
+        # (docs/design.md §4, step 6).
         for sid in kids:
             states = [line.split(" state=")[1].split()[0] for line in holder.log_lines("state")
                       if f" session={OWNER}/{sid} " in line]

@@ -680,8 +680,8 @@ def test_a_missing_done_is_resolved_by_asking_list(
     state: str, handoff_id: str | None, deposited_at: float, code: str | None,
     confirmed: bool | None,
 ) -> None:
-    """DESIGN §4 step 8: after the ack, no `done`; the client keeps the fd unread and asks on
-    a fresh connection who owns it."""
+    """docs/design.md §4, step 8: after the ack, no `done`; the client keeps the fd unread
+    and asks on a fresh connection who owns it."""
     child = pty_children(["sh", "-c", "echo live; sleep 30"])
     holder = fake([_hand_over(child.master), _list_says(state, handoff_id, deposited_at)])
     run = run_c(build, holder.path, "retrieve", "s")

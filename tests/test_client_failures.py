@@ -1,4 +1,4 @@
-"""The client's side of a handoff when the holder misbehaves (DESIGN §4 step 8).
+"""The client's side of a handoff when the holder misbehaves (docs/design.md §4 step 8).
 
 `EscrowClient.retrieve` must ack only once it holds the fd and has checked it is a terminal,
 never read the fd before `done`, and when `done` does not come, ask on a fresh connection who
@@ -160,7 +160,7 @@ def test_a_reply_that_is_not_a_handoff_is_a_protocol_violation(socket_dir: Path)
 def test_not_enough_time_left_after_a_slow_welcome(socket_dir: Path) -> None:
     """Incident pinned: a holder slow to greet left the client too little of its deadline
     for the holder's drain-stop budget and send deadline; starting the retrieve anyway would
-    give up while the holder is still legitimately working (DESIGN §4 step 2). The client
+    give up while the holder is still legitimately working (docs/design.md §4 step 2). The client
     does not send `retrieve` at all, says why, and pays no timeout (the breaker stays shut)."""
     welcome = msgspec.structs.replace(WELCOME, drain_stop_budget=0.4)
     with FakeHolder(socket_dir, [Peer.until_eof], welcome=welcome, welcome_delay=0.5) as fake:

@@ -1,4 +1,4 @@
-"""Custody (DESIGN §3): while the depositing connection lives, the app is the reader.
+"""Custody (docs/design.md §3): while the depositing connection lives, the app is the reader.
 
 The holder must not read the fd, must not change its flags (O_NONBLOCK lives on the open file
 description the app shares), and must refuse to hand it to anyone else. When custody ends,
@@ -106,7 +106,7 @@ def test_flags_untouched_in_custody_and_restored_at_retrieve(
     finally:
         custody.close()
     assert _info(client, "tab-1").state == "draining"
-    # Draining: the holder reads the shared description non-blocking (DESIGN §3).
+    # Draining: the holder reads the shared description non-blocking (docs/design.md §3).
     assert _nonblock(child.master), "the holder drains without O_NONBLOCK"
     got = client.retrieve("tab-1")
     try:

@@ -1,4 +1,4 @@
-"""Custody when the holder is caught between two states (DESIGN §3, §11, §12): a `done` that
+"""Custody when the holder is caught between two states (docs/design.md §3, §11, §12): a `done` that
 never comes for a retrieve into custody, a holder that restarted before it saw custody end
 and lists the session as still held by the app. A real holder does not take these paths on
 cue; a fake one (tests/fakeholder.py, a real Unix socket server speaking the real protocol)

@@ -1,4 +1,4 @@
-"""Draining (DESIGN §3): the exit tail, and bounded replay rings that never block a child.
+"""Draining (docs/design.md §3): the exit tail, and bounded replay rings that never block a child.
 
 Children here run on a raw slave (no output processing), so the bytes read from the master
 are exactly the bytes the child wrote. Each child waits for one byte of input before it
@@ -139,7 +139,7 @@ def test_ring_overflow_keeps_the_newest_bytes(make_holder, raw_children) -> None
     try:
         assert got.session.state == "exited"
         assert got.dropped_bytes == len(data) - ring
-        # The ring wrapped: the replay starts at the first whole line (DESIGN §12).
+        # The ring wrapped: the replay starts at the first whole line (docs/design.md §12).
         assert len(got.replay) + got.replay_trimmed == ring
         assert got.replay == data[-ring:][got.replay_trimmed:]
         assert got.replay_trimmed <= 9 and got.replay.split(b"\n")[0].isdigit()

@@ -1,4 +1,4 @@
-"""Fair shares (DESIGN §6, limits): one app cannot take what the others need.
+"""Fair shares (docs/design.md §6, limits): one app cannot take what the others need.
 
 Incident pinned: one app could take every session slot, the whole ring budget (another
 app's session then drained with 0 B of replay), or all 256 connections (custody

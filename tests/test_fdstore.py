@@ -1,4 +1,5 @@
-"""The fd store as the holder speaks to it, with the test as the service manager (DESIGN §11).
+"""The fd store as the holder speaks to it, with the test as the service manager
+(docs/design.md §11).
 
 The test owns `$NOTIFY_SOCKET`, as systemd would: it receives every `FDSTORE=1` message
 with its fds, and starts the next holder with them in `LISTEN_FDS`/`LISTEN_FDNAMES`. So it

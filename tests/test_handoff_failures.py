@@ -1,4 +1,4 @@
-"""The handoff when it goes wrong (DESIGN §4 steps 5-8).
+"""The handoff when it goes wrong (docs/design.md §4 steps 5-8).
 
 Every failure after the holder has stopped the drain (the send fails, the peer hangs up, the
 ack never comes, comes late, or something else comes instead) must put the session back as it
@@ -374,7 +374,7 @@ def test_burst_below_the_ring_limit_is_replayed_whole(
 ) -> None:
     """Found while writing the send-deadline test: a ~0.95 MB burst into a 4 MiB ring came
     back without its first lines (dropped_bytes > 0), although the ring never reached its
-    limit. A ring below `--ring-bytes` must drop nothing (DESIGN §3: only an overflow drops
+    limit. A ring below `--ring-bytes` must drop nothing (docs/design.md §3: only an overflow drops
     the oldest bytes), or a relaunched app loses the start of what its child printed."""
     holder = make_holder("--ring-bytes", str(4 << 20))
     client = hand_off(holder, pty_children, BURST_THEN_ECHO)

@@ -1,4 +1,4 @@
-"""The journal's hand-over, in-process (DESIGN §12): an app writes its journal file with
+"""The journal's hand-over, in-process (docs/design.md §12): an app writes its journal file with
 `JournalWriter` while it holds custody, the holder copies it into the replay when custody
 ends. Real journal files (memfd), real PTYs; the app's death in the middle of a write is
 made by hand, byte by byte, since a SIGKILL cannot be aimed between two stores."""

@@ -9,6 +9,7 @@ to their module, and `from package import module` counts as an import of that mo
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,3 +81,24 @@ def test_no_module_or_class_is_too_big_to_read() -> None:
                 if size > MAX_CLASS_LINES:
                     too_big.append(f"{name}.{node.name}: {size} lines")
     assert not too_big, too_big
+
+
+def test_every_design_reference_points_into_the_design_document() -> None:
+    """Code, tests and docs cite docs/design.md by section: every section cited is there,
+    and nothing cites a design document outside the repository."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    sections = set(re.findall(r"^## (\d+)\. ", design, re.M))
+    cited: dict[str, set[str]] = {}
+    outside = []
+    for path in ROOT.rglob("*"):
+        if (path.suffix not in (".py", ".md", ".c", ".h") or ".venv" in path.parts
+                or ".git" in path.parts or not path.is_file()):
+            continue
+        text = path.read_text(errors="replace")
+        for number in re.findall(r"docs/design\.md §(\d+)", text):
+            cited.setdefault(number, set()).add(str(path.relative_to(ROOT)))
+        if re.search(r"\bDESIGN" + r" §|shared/" + "DESIGN", text):  # (not this line)
+            outside.append(str(path.relative_to(ROOT)))
+    assert not outside, f"cite a design document outside the repository: {outside}"
+    missing = {n: sorted(where) for n, where in cited.items() if n not in sections}
+    assert not missing, f"cite sections docs/design.md does not have: {missing}"

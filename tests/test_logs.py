@@ -1,4 +1,4 @@
-"""The holder's log, read back from a real run (issue 4, item 7; DESIGN §6 "Logs").
+"""The holder's log, read back from a real run (issue 4, item 7; docs/design.md §6 "Logs").
 
 One line per event on stderr, key=value, that `shlex.split` takes apart. Every state change of
 a session is exactly one `event=state` line with `session=owner/id`, the new `state` and a

@@ -1,5 +1,5 @@
 """The holder writes its pidfile only into its own directory, and never through a symlink
-(DESIGN §6).
+(docs/design.md §6).
 
 Incident pinned: the pidfile's temp file was opened with `open(temp, "w")` (it follows
 symlinks, no O_EXCL), and a holder under a keeper never looked at its directory again.

@@ -736,7 +736,7 @@ def test_good_names_are_accepted(name: str) -> None:
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=_name_id)
 def test_bad_names_are_refused(name: str) -> None:
-    """Owner and id match [A-Za-z0-9._:@-]{1,128} exactly (DESIGN §3). A trailing newline
+    """Owner and id match [A-Za-z0-9._:@-]{1,128} exactly (docs/design.md §3). A trailing newline
     is not part of that set either."""
     for fields in _name_carriers(name):
         with pytest.raises(P.ProtocolError):

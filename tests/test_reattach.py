@@ -1,4 +1,4 @@
-"""Reattach, right by default (DESIGN §12): retrieve into custody survives a second crash,
+"""Reattach, right by default (docs/design.md §12): retrieve into custody survives a second crash,
 the journal brings back what was printed before a crash, a wrapped replay starts clean,
 size and meta stay current, and one connection reclaims many sessions.
 

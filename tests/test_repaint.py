@@ -1,4 +1,4 @@
-"""Repaint (DESIGN §12).
+"""Repaint (docs/design.md §12).
 
 On a bare PTY: `repaint` signals the program twice, at the changed size and then at its own,
 and leaves the size as it was, whatever it was.

@@ -1,4 +1,4 @@
-"""`retrieve_many` on the wire, and every way it can go wrong (DESIGN §4, §12): a peer that
+"""`retrieve_many` on the wire, and every way it can go wrong (docs/design.md §4, §12): a peer that
 hangs up before its acks, acks that never come, a wrong ack, bad requests. Each time every
 session not acked goes back to draining on the same fd with its replay intact, the holder
 keeps serving, and no fd leaks (the `holder` fixture counts them at the end).

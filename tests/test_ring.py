@@ -412,7 +412,7 @@ def _drain_pipe(ring: Ring, fd: int) -> None:
         pass
 
 
-# --- adoption after an unclean stop (DESIGN §11) ---------------------------------------------
+# --- adoption after an unclean stop (docs/design.md §11) --------------------------------
 
 
 def adopted_copy(ring: Ring, unclean: bool = True) -> tuple[Ring, int]:

@@ -476,7 +476,7 @@ def test_out_of_file_descriptors(limited_holder: HolderProcess) -> None:
 
 
 def test_an_idle_holder_is_quiet(make_holder: Callable[..., HolderProcess]) -> None:
-    """Incident pinned: "idle means idle" (DESIGN §6). A holder that polled (an accept loop
+    """Incident pinned: "idle means idle" (docs/design.md §6). A holder that polled (an accept loop
     retrying, a timer for idle exit) kept a laptop's CPU from sleeping all day. With nothing
     held and nothing asked, it uses no CPU and does not wake up."""
     holder = make_holder("--idle-timeout", str(IDLE))

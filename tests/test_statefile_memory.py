@@ -1,5 +1,5 @@
 """A session's state file costs resident memory for what is written in it, and nothing for
-the slots and ring space never used (DESIGN §11: "sized to the ring limit but backed only
+the slots and ring space never used (docs/design.md §11: "sized to the ring limit but backed only
 where written").
 
 Incident pinned: opening a state file read its four record slots through the shared

@@ -1,4 +1,4 @@
-"""Session states as the holder reports them (DESIGN §3, §4), and the timeout invariant.
+"""Session states as the holder reports them (docs/design.md §3, §4), and the timeout invariant.
 
 A question about a session gets a true answer: `unknown` for what was never seen, the
 tombstone's own state for what ended, never one dressed up as the other.

@@ -1,4 +1,4 @@
-"""`escrowctl status`: every row of DESIGN §7's verdict table, against real holders.
+"""`escrowctl status`: every row of docs/design.md §7's verdict table, against real holders.
 
 Each verdict is asked of a real `escrowctl` process. Besides the verdict, every test checks
 that status changed nothing: it deletes no socket, pidfile or lock, creates nothing, and

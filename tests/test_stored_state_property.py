@@ -1,4 +1,4 @@
-"""Whatever is written into a holder's state files, the next holder serves (DESIGN §11,
+"""Whatever is written into a holder's state files, the next holder serves (docs/design.md §11,
 Adoption), as a property over a real keeper with ten stored sessions.
 
 Each example: ten sessions are handed off (a shell each that printed one line, drained);

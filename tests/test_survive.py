@@ -1,4 +1,4 @@
-"""The escrow outlives the holder (DESIGN §11): its serving process SIGKILLed under the
+"""The escrow outlives the holder (docs/design.md §11): its serving process SIGKILLed under the
 keeper, every session comes back as it was.
 
 Incident pinned: SIGKILL of the holder hung up every draining shell (exit 129), threw away

@@ -1,4 +1,4 @@
-"""One terminal, one identity (DESIGN §3): the same pty under two ids is refused, and two
+"""One terminal, one identity (docs/design.md §3): the same pty under two ids is refused, and two
 different ptys are never mistaken for one.
 
 Incident pinned: the "one terminal under two ids" check keyed on the pts number alone, so

@@ -1,4 +1,4 @@
-"""Where a wrapped replay may start (escrowd.trim, DESIGN §12 "A clean start").
+"""Where a wrapped replay may start (escrowd.trim, docs/design.md §12 "A clean start").
 
 Each unit test is a replay whose ring wrapped at a known spot: inside a CSI, an OSC title, a
 DCS string, a UTF-8 character, a line. The property test builds output from whole tokens

@@ -1,4 +1,4 @@
-"""`--unclaimed-ttl`: sessions nobody reclaimed are released after a while (DESIGN §6), and
+"""`--unclaimed-ttl`: sessions nobody reclaimed are released after a while (docs/design.md §6), and
 only those: a session its app still holds is never expired, and 0 turns expiry off."""
 
 from __future__ import annotations

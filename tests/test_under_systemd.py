@@ -1,6 +1,6 @@
 """The shipped systemd units under a real `systemd --user` (tests/usermanager.py): socket
 activation, Type=notify, the fd store across a SIGKILL, a restart of the service or of its
-socket, and the watchdog (DESIGN §11).
+socket, and the watchdog (docs/design.md §11).
 
 The units are installed as a user installs them: `escrowctl install-service --systemd` with
 this virtualenv's escrowd, `systemctl --user daemon-reload`, `enable --now escrowd.socket`.

@@ -1,4 +1,4 @@
-"""Nothing stored is believed unchecked, and doubt never closes a terminal (DESIGN §11,
+"""Nothing stored is believed unchecked, and doubt never closes a terminal (docs/design.md §11,
 Adoption): what another process of the user, or a bug, writes into a holder's state files
 costs at most that session's record, never its terminal, the holder or another session.
 

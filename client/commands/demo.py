@@ -1,5 +1,5 @@
 """`escrowctl demo`: a shell printing a counter survives its app's relaunch, shown live
-(DESIGN §9).
+(docs/design.md §9).
 
 Two separate processes play the app before and after its relaunch (`escrow_client.demo`'s
 `app` and `reclaim` halves, which tell steps 2 and 5); this verb tells steps 1, 3 and 4,

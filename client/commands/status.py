@@ -1,5 +1,5 @@
 """`escrowctl status`: is a holder running on the socket? From positive proof only
-(`liveness.holder_verdict`, DESIGN §7), and read-only; the verdict is the exit status.
+(`liveness.holder_verdict`, docs/design.md §7), and read-only; the verdict is the exit status.
 
 This module only writes the verdict out: as a summary of the holder that answered, as the
 evidence when none did, or as JSON.
@@ -19,7 +19,7 @@ from ..protocol import HolderStatus
 from .arguments import add_sub_timeout
 from .text import duration, print_json, size
 
-# DESIGN §7: 0 only for running; the others follow the LSB status codes, plus 150 (from
+# docs/design.md §7: 0 only for running; the others follow the LSB status codes, plus 150 (from
 # the LSB's application-specific range) for a holder that accepted but did not answer.
 STATUS_EXIT_CODES: dict[str, int] = {
     "running": 0,
@@ -29,7 +29,7 @@ STATUS_EXIT_CODES: dict[str, int] = {
     "unresponsive": 150,
 }
 
-_VERDICT_ROWS = (  # DESIGN §7, in the order the rows are tried
+_VERDICT_ROWS = (  # docs/design.md §7, in the order the rows are tried
     ("running", "the socket answered `status` within the timeout"),
     ("unresponsive", "a process holds the lock; the socket accepted a connection\n"
      "but did not answer within the timeout (wedged, or stopped)"),

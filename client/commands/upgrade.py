@@ -1,5 +1,5 @@
 """`escrowctl upgrade`: replace the running holder with the installed code, every session
-intact (DESIGN §11).
+intact (docs/design.md §11).
 
 `escrow_client.control` proves which process to signal, asks for the replacement (SIGHUP to
 the keeper, or a restart of the systemd unit) and waits for the new holder; a holder with
