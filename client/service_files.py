@@ -73,7 +73,7 @@ def systemd_service(command: list[str], socket_path: str = SYSTEMD_SOCKET,
         [_unit_word(words[0], variables=False)] + [_unit_word(w) for w in words[1:]])
     return f"""\
 # fd-escrow: the per-user holder of PTY masters. Install: `escrowctl install-service`
-# writes this file with the path of your escrowd (see README.md, "Running under systemd").
+# writes this file with the path of your escrowd (see docs/operations.md, "Running under systemd").
 [Unit]
 Description=fd-escrow holder (escrowd): keeps terminal sessions alive while apps restart
 Requires=escrowd.socket
@@ -125,7 +125,7 @@ Also=escrowd.socket
 def systemd_socket(socket_path: str = SYSTEMD_SOCKET) -> str:
     return f"""\
 # fd-escrow: the holder's socket, owned by the user's systemd so the holder can start on
-# first connection. Install: `escrowctl install-service` (see README.md).
+# first connection. Install: `escrowctl install-service` (see docs/operations.md).
 [Unit]
 Description=fd-escrow holder socket (escrowd)
 
@@ -172,7 +172,7 @@ def launchd_plist(command: list[str], socket_path: str, log_path: str,
 <?xml version="1.0" encoding="UTF-8"?>
 <!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
 <!-- fd-escrow: the per-user holder as a LaunchAgent. Install: `escrowctl install-service`
-     writes this file with the path of your escrowd and your socket (see README.md,
+     writes this file with the path of your escrowd and your socket (see docs/operations.md,
      "Running under launchd"). -->
 <plist version="1.0">
 <dict>

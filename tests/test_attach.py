@@ -437,7 +437,7 @@ def test_the_holder_spends_no_cpu_on_an_attached_session(
     """64 MiB through an attached session cost the holder what the calls around them
     cost (the deposit, the release, the end of custody), nothing per byte: 0 to 10 ms in
     runs here. Draining the same 64 MiB cost it 0.34 to 0.5 s of CPU (measured on the
-    same 2-core VM; 9.5 s/GiB in the README's drain benchmark).
+    same 2-core VM; 9.5 s/GiB in docs/performance.md's drain benchmark).
 
     The tolerance, 0.1 s, covers the holder's work on those calls (well under 10 ms each)
     and /proc's counting in clock ticks (10 ms each); it is a third or less of what the

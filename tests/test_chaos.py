@@ -3,7 +3,7 @@ chaos also with the holder SIGKILLed under its keeper (--kill-holder).
 
 Each runs as a subprocess, exactly as by hand, against a holder of its own, and prints one
 JSON object; every invariant counter in it must be 0. The long runs (2,000 chaos cycles,
-50 clients for a minute) are run by hand; their figures are in the README.
+50 clients for a minute) are run by hand; their figures are in docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ so most of that output cannot be kept. What must hold:
 Children run on raw slaves (no output processing, no echo), so bytes read from a master are
 exactly the bytes the child wrote. Each waits for one byte of input before it writes, so all
 of them are escrowed (draining) before any output exists. The holder's RSS and open fd count
-before, at the peak and after are printed (the README quotes them).
+before, at the peak and after are printed (docs/reliability.md quotes them).
 """
 
 from __future__ import annotations
