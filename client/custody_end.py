@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection
-
 from . import errors, protocol
 from .channel import Channel, Connect, Deadline
 from .custody_kept import Kept
@@ -52,10 +50,13 @@ def end_and_confirm(channel: Channel | None, kept: dict[str, Kept], connect: Con
             continue
 
 
-def _still_held(ids: Collection[str], connect: Connect, deadline: Deadline) -> set[str]:
+def _still_held(kept: dict[str, Kept], connect: Connect, deadline: Deadline) -> set[str]:
     """Sessions of ours whose end of custody the holder has not confirmed: still held
-    by this process, not escrowed at all (a holder that lost them), or that it cannot
-    be asked about. Empty: the holder is draining every one of them."""
+    by this process, not escrowed at all (a holder that lost them), never known to have
+    arrived (a deposit that got no answer, listed only as a tombstone: an earlier
+    session's of the same id), or that it cannot be asked about. Empty: the holder is
+    draining every one of them."""
+    ids = list(kept)
     if not ids:
         return set()
     try:
@@ -72,6 +73,8 @@ def _still_held(ids: Collection[str], connect: Connect, deadline: Deadline) -> s
             unconfirmed.add(sid)  # gone with a holder: to be deposited again
         elif info.state == "held" and info.custodian_pid == os.getpid():
             unconfirmed.add(sid)  # the end was not seen: resumed, and ended again
+        elif kept[sid].pending and info.state in protocol.TOMBSTONE_STATES:
+            unconfirmed.add(sid)  # it never arrived: to be deposited again
         # Draining, exited, being retrieved, or ended by someone (released, handed
         # off): the holder has seen to it.
     return unconfirmed

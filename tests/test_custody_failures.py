@@ -75,14 +75,16 @@ class Holder:
       one only once `answer_first_deposit` is set, if given) (with
       `journal_file` as its journal, if one is asked for and given), `status` (a client
       putting the stream back in step) `holder_status`, `release` `released`, until the
-      client hangs up.
+      client hangs up; with `refuse_deposits`, every deposit after a dropped first one
+      is answered `limit`.
     `custodies` has, per custody connection, the number of each terminal deposited on it."""
 
     def __init__(self, listed: list[str | None], master: int | None = None,
                  journal_file: JournalFile | None = None,
                  answer_first_deposit: threading.Event | None = None,
-                 drop_first_deposit: bool = False) -> None:
+                 drop_first_deposit: bool = False, refuse_deposits: bool = False) -> None:
         self.listed = listed
+        self.refuse_deposits = refuse_deposits
         self.answer_first_deposit = answer_first_deposit
         self.drop_first_deposit = drop_first_deposit
         self.lists = 0
@@ -121,7 +123,9 @@ class Holder:
                     # Late: the client has given up waiting by the time this goes out.
                     assert self.answer_first_deposit.wait(30)
                     self.answer_first_deposit = None
-                if message.journal and self.journal_file is not None:
+                if self.refuse_deposits:
+                    peer.send(protocol.Error(code="limit", message="refused, as asked"))
+                elif message.journal and self.journal_file is not None:
                     peer.send(protocol.Deposited(id=message.id, journal=LAYOUT),
                               fd=self.journal_file.fd)
                 else:
@@ -271,4 +275,19 @@ def test_a_hand_off_whose_deposit_got_no_answer_is_settled_and_ended(
         fake.client().hand_off(SID, master)
     assert holder.custodies[:2] == [[pty_number(master)]] * 2, holder.custodies
     assert holder.lists == 2
+    assert fds_open_on(master) == {master}
+
+
+def test_a_hand_off_whose_deposit_never_arrived_is_not_confirmed_by_a_tombstone(
+    socket_dir: Path, terminal: tuple[int, int],
+) -> None:
+    """A hand-off's deposit got no answer, and the holder lists the id only as a tombstone
+    (an earlier session's: the app reclaimed a `tab-1` before), then refuses the deposit
+    again. The tombstone is not the deposit arriving: the hand-off raises, so the app keeps
+    its terminal, rather than returning as done and letting the app close the only copy."""
+    master, _ = terminal
+    holder = Holder(listed=["handed_off"], drop_first_deposit=True, refuse_deposits=True)
+    with fake_holder(socket_dir, holder) as fake:
+        with pytest.raises(errors.HolderUnavailable):
+            fake.client().hand_off(SID, master)
     assert fds_open_on(master) == {master}
