@@ -72,7 +72,7 @@ class Channel:
             paths.check_socket_path(socket_path)
         except paths.PathError as exc:
             raise errors.EscrowConfigError(str(exc)) from None
-        # Trust before any byte (docs/design.md §6): the directory now, the listener's uid below.
+        # Trust before any byte (docs/design.md §8): the directory now, the listener's uid below.
         trust.check_socket_dir(socket_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._reader = FrameReader(self.sock, MAX_RESPONSE_BYTES)

@@ -1,5 +1,5 @@
 """A custody's hold on its sessions: the connection they are held on, the duplicates kept
-of them, and whether they are protected right now (docs/design.md §11 "Custody survives too").
+of them, and whether they are protected right now (docs/design.md §8, "Custody").
 
 `Custody` is what the app calls; a `Hold` is what keeps its sessions held between the
 calls, and what the watcher (`custody_watch`) works on:

@@ -286,7 +286,7 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     |   alone is what a stopped systemd socket unit keeps, on purpose) |                 |
     | anything else (the lock cannot be read, say)                     | `indeterminate` |
 
-    Trust first (docs/design.md §6): a socket directory that is not this user's own (or a listener
+    Trust first (docs/design.md §8): a socket directory that is not this user's own (or a listener
     of another uid) is `indeterminate`, with `evidence["trust"]` saying why, and nothing
     there is read or sent to.
 

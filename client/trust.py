@@ -1,4 +1,4 @@
-"""Trust runs both ways (docs/design.md §6): a client talks only to its own user's holder.
+"""Trust runs both ways (docs/design.md §8, §10): a client talks only to its own user's holder.
 
 Another local user who gets to the socket path first (say by squatting
 `/tmp/escrowd-<uid>/` before the victim's first holder starts) must never receive a PTY

@@ -275,7 +275,7 @@ async def status(holder: Answerer, conn: Connection) -> None:
 def _resumes(session: Session, conn: Connection, terminal: tuple[int, int] | None) -> bool:
     """A deposit that takes custody back rather than escrowing anew: the session is held by
     nobody connected (the holder restarted and adopted it), and the deposit comes from the
-    same process, with the same terminal (docs/design.md §11, "Custody survives too")."""
+    same process, with the same terminal (docs/design.md §8, "Custody")."""
     return (session.state == "held" and session.custodian is None
             and session.custodian_pid == conn.peer_pid
             and terminal is not None and terminal == session.terminal)

@@ -1,4 +1,4 @@
-"""The circuit breaker (docs/design.md §4 "Many sessions at launch"): a wedged holder costs an app
+"""The circuit breaker (docs/design.md §4): a wedged holder costs an app
 one timeout, not one per session, and nothing escrowed is lost.
 
 A wedged holder is a real holder stopped with SIGSTOP: the kernel still accepts connections

@@ -1,4 +1,4 @@
-"""Custody survives the holder (docs/design.md §11, "Custody survives too").
+"""Custody survives the holder (docs/design.md §8, "Custody").
 
 Incident pinned: SIGKILL the holder while an app holds custody of a session, start a new
 holder, and the app was none the wiser: the new holder listed nothing, the app learnt only

@@ -1,4 +1,4 @@
-"""Memory bound under load (docs/design.md §3 "Replay"; issue 4 item 4).
+"""Memory bound under load (docs/design.md §3, "The drain").
 
 500 sessions are escrowed and draining while every child writes 128-256 KiB as fast as it
 can and exits. The holder runs with a 64 KiB per-session ring and a 4 MiB holder-wide cap,

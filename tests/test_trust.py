@@ -1,4 +1,4 @@
-"""The client trusts only its own holder (docs/design.md §6, "Trust runs both ways").
+"""The client trusts only its own holder (docs/design.md §8 and §10).
 
 Incident pinned: with XDG_RUNTIME_DIR unset, another local user pre-created
 `/tmp/escrowd-<victim uid>/` (mode 0777) and listened there; the victim's ordinary
