@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+
 from . import errors, protocol
 from .channel import Channel, Connect, Deadline
 from .custody_kept import Kept
