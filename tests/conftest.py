@@ -43,6 +43,13 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
 
 ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Under `nohup scripts/test` SIGHUP is ignored, and an ignored signal stays ignored across
+# exec: every shell the tests start on a terminal would outlive its hangup, and each test
+# that waits for a released terminal's shell to end would fail. A handler that does nothing
+# keeps this process deaf to SIGHUP as asked, while its children start with the default.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
+
 
 def require_real(component: str, available: bool, how: str) -> None:
     """A test of a real component (a program, root, a second uid) cannot run without it:
