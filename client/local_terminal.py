@@ -4,9 +4,9 @@ Keys come from its input and the program's output goes to its output; while atta
 is in raw mode. It has to be escrowctl's foreground terminal: in the background, the first
 change of its modes would stop escrowctl (SIGTTOU) while it holds the session. A retrieved
 session is shown on a screen reset first (`RESET`); the terminal is given back with its
-termios as they were and the modes a program may have switched on switched off again
-(`LEAVE`). A terminal that goes away (EOF or EIO on it) is `TerminalGone`: the attachment
-detaches.
+termios as they were, what was typed and not read discarded, and the modes a program may
+have switched on switched off again (`LEAVE`). A terminal that goes away (EOF or EIO on it)
+is `TerminalGone`: the attachment detaches.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ class LocalTerminal:
     """The terminal escrowctl runs in: keys come from `in_fd`, output goes to `out_fd`.
 
     Resource handling: `raw()` puts it in raw mode and gives it back on leaving, with the
-    termios it had and the modes a program may have set through escape sequences (`LEAVE`);
-    a terminal that has gone away is not an error there. Nothing here changes the file
-    status flags of either fd: the shell that started escrowctl shares them."""
+    termios it had and the modes a program may have set through escape sequences (`LEAVE`),
+    and what was typed and not read discarded; a terminal that has gone away is not an
+    error there. Nothing here changes the file status flags of either fd: the shell that
+    started escrowctl shares them."""
 
     def __init__(self, in_fd: int = 0, out_fd: int = 1) -> None:
         for fd, what in ((in_fd, "input"), (out_fd, "output")):
@@ -84,6 +85,10 @@ class LocalTerminal:
                 pass
             try:
                 termios.tcsetattr(self.in_fd, termios.TCSANOW, saved)
+                # Typed and not read: keys for the session (the detach key pressed again,
+                # or held down), not for the shell the terminal goes back to. What is typed
+                # from now on is the shell's.
+                termios.tcflush(self.in_fd, termios.TCIFLUSH)
             except (OSError, termios.error):
                 pass
 
