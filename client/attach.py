@@ -29,9 +29,10 @@ the signal; a wake-up fd (`signal.set_wakeup_fd`) makes the loop see it, so none
 between a check and the wait. Call from the main thread.
 
 Here are the endings, the copy loop and the two ways in; each part they use has a module
-of its own: `local_terminal` (raw mode, and the modes given back), `detach_key`,
-`attach_signals` (the signals, and the write to a stalled terminal they interrupt) and
-`spawn` (the program `run` starts).
+of its own: `local_terminal` (raw mode, and the modes given back: `leaving`),
+`detach_key`, `attach_signals` (the signals, the write to a stalled terminal they
+interrupt, and the keys' signals ignored to the end of the process) and `spawn` (the
+program `run` starts).
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""The detach key never misfires, and what was typed for a session stays with it
-(docs/design.md §13).
+"""Leaving an attached session gives the terminal back whole, and the detach key never
+misfires (docs/design.md §13).
 
-On a real screen (a tmux pane, as in tests/test_attach.py), the program in the session is
-tests/keys_app.py. The detach key pressed twice or held down never kills escrowctl (it did:
-`^\\Quit`, exit 131, when the second press came as the terminal got its modes back).
+On a real screen (a tmux pane, as in tests/test_attach.py): the program in the session
+(tests/keys_app.py) switches on every mode a full-screen program may; on each way out the
+pane's modes are the ones it had before: tmux's mode flags, what a paste sends (bracketed or
+not), what Ctrl-Enter sends (modifyOtherKeys or not), `stty -g`. The detach key pressed twice
+or held down never kills escrowctl (it did: `^\\Quit`, exit 131).
+
+tmux 3.3 knows neither kitty's keyboard protocol nor synchronized updates, and reports no
+focus or margin modes: for those, what escrowctl writes to a PTY the test holds is played
+through a model of a terminal's modes (tests/terminal_model.py), which must end as it began.
 """
 
 from __future__ import annotations
@@ -11,19 +17,28 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
-from test_attach import RUN_OWNER, TIMEOUT, Screens, state
+from keys_app import MODES
+from terminal_model import Terminal
+from test_attach import ESCROWCTL, RUN_OWNER, TIMEOUT, Pane, Screens, session, state
 
 from conftest import HolderProcess, PtyChild, require_program, wait_for
 from escrow_client.detach_key import DOUBLE_PRESS
+from escrow_client.leaving import LEAVE
 
 KEYS_APP = str(Path(__file__).with_name("keys_app.py"))
 KEYS = shlex.join([sys.executable, KEYS_APP])
+# tmux's flags of a pane's modes (FORMATS in tmux(1)).
+FLAGS = ("alternate_on", "cursor_flag", "insert_flag", "keypad_cursor_flag", "keypad_flag",
+         "mouse_all_flag", "mouse_any_flag", "mouse_button_flag", "mouse_sgr_flag",
+         "mouse_standard_flag", "mouse_utf8_flag", "wrap_flag")
 
 
 @pytest.fixture
@@ -35,6 +50,69 @@ def screens(holder: HolderProcess) -> Iterator[Screens]:
         yield s
     finally:
         s.close()
+
+
+def observe(pane: Pane, name: str) -> tuple[str, str]:
+    """The pane's modes, while `keys_app.py NAME` runs in it: tmux's flags, and what the
+    program gets for a paste (bracketed or not) and for Ctrl-Enter (a CSI u sequence under
+    modifyOtherKeys; nothing, from tmux, without)."""
+    pane.wait_text(f"{name} ready")
+    flags = pane.value(" ".join(f"{f}=#{{{f}}}" for f in FLAGS))
+    pane.server.tmux("set-buffer", "-b", "probe", "pasted")
+    pane.server.tmux("paste-buffer", "-p", "-b", "probe", "-t", pane.name)
+    pane.keys("C-Enter")
+    pane.keys("q")
+    return flags, pane.wait_line(rf"^{name} got (.*)$")[1]
+
+
+WAYS_OUT = {
+    # name: (what the program does, what ends the attachment, escrowctl's exit status)
+    "detach-key": ("--modes", "key", 0),
+    "sigterm": ("--modes", signal.SIGTERM, 0),
+    "sighup": ("--modes", signal.SIGHUP, 0),
+    "program-exits": ("--modes --exit 7", None, 7),
+    "error": ("--modes", "holder-dies", 1),
+}
+
+
+@pytest.mark.parametrize("way", WAYS_OUT)
+def test_every_way_out_gives_the_terminal_back_whole(
+    screens: Screens, make_holder: Callable[..., HolderProcess], holder: HolderProcess,
+    way: str
+) -> None:
+    program, how, status = WAYS_OUT[way]
+    target = make_holder(name="doomed") if how == "holder-dies" else holder
+    a = screens.pane("a")
+    before, after = screens.dir / "before", screens.dir / "after"
+    # A 1 s timeout: a custody whose holder died gives up on it after that.
+    a.line(f"stty -g >{before}; {KEYS} before; escrowctl --socket {target.socket} --timeout 1 "
+           f"run --id m1 -- {KEYS} program {program}; echo \"rc=$?\"; stty -g >{after}; "
+           f"{KEYS} after")
+    theirs = observe(a, "before")
+    if how is not None:
+        a.wait_text("program ready")
+        if how == "key":
+            a.keys("C-\\")
+        elif how == "holder-dies":
+            target.proc.kill()
+            target.proc.wait()
+            a.keys("C-\\")  # refused: escrowctl has the last copy of the terminal
+            a.wait_text("the holder is not reachable right now")
+            (escrowctl,) = [p for p in psutil.process_iter(["cmdline"])
+                            if target.socket in (p.info["cmdline"] or [])]
+            escrowctl.send_signal(signal.SIGTERM)
+        else:
+            assert isinstance(how, signal.Signals)
+            info = session(target, "m1")
+            assert info is not None and info.custodian_pid is not None
+            os.kill(info.custodian_pid, how)
+    assert int(a.wait_line(r"^rc=(\d+)$")[1]) == status, a.capture()
+    # The user's screen as it was, what escrowctl said below it (the program left it on the
+    # alternate screen: leaving that, the cursor went back to where it was before).
+    shown = a.capture()
+    assert shown.startswith("outer$ stty -g") and f"\nbefore got {theirs[1]}\n" in shown, shown
+    assert observe(a, "after") == theirs
+    assert after.read_text() == before.read_text()
 
 
 @pytest.mark.parametrize("presses", ["twice, 0.1 s apart", "twice, 0.3 s apart",
@@ -77,7 +155,60 @@ def test_the_detach_key_pressed_twice_or_held_never_kills_escrowctl(
     assert set(got.read_bytes() if got.exists() else b"") <= {0x1C}  # only the key itself
 
 
-# --- on a PTY the test holds ---------------------------------------------------------
+# --- on a PTY the test holds: the bytes escrowctl writes on the way out -----------------
+
+
+def read_to_the_status(child: PtyChild) -> tuple[bytes, int]:
+    """What was written to the PTY until the shell there says `rc=N`, and N. (escrowctl
+    runs under a shell that outlives it: were it the session's leader, its exit would hang
+    the terminal up, and the kernel may drop the last bytes it wrote.)"""
+    out = b""
+    while not (m := re.search(rb"rc=(\d+)\r?\n", out)):
+        chunk = child.read_available(timeout=TIMEOUT, until=b"\n")
+        assert chunk, f"the shell to say how escrowctl exited; it wrote: {out!r}"
+        out += chunk
+    return out[: m.start()], int(m[1])
+
+
+def under_a_shell(*argv: str) -> list[str]:
+    return ["sh", "-c", '"$@"; echo "rc=$?"; exec cat', "sh", *argv]
+
+
+PTY_WAYS_OUT = {
+    # name: (what the program does, what ends the attachment, escrowctl's exit status)
+    "detach-key": ([], b"\x1c", 0),
+    "sigterm": ([], signal.SIGTERM, 0),
+    "sighup": ([], signal.SIGHUP, 0),
+    "program-exits": (["--exit", "7"], None, 7),
+}
+
+
+@pytest.mark.parametrize("way", PTY_WAYS_OUT)
+def test_what_is_written_on_the_way_out_turns_off_what_the_program_turned_on(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild], way: str
+) -> None:
+    program, how, status = PTY_WAYS_OUT[way]
+    local = pty_children(under_a_shell(ESCROWCTL, "--socket", holder.socket, "run", "--id",
+                                       "w1", "--", sys.executable, KEYS_APP, "program",
+                                       "--modes", *program))
+    terminal = Terminal()
+    fresh = terminal.modes()
+    if how is not None:
+        shown = local.read_available(timeout=TIMEOUT, until=b"program ready")
+        terminal.feed(shown)
+        assert terminal.modes() != fresh  # every mode is on: see keys_app.MODES
+        if isinstance(how, bytes):
+            os.write(local.master, how)
+        else:
+            info = session(holder, "w1")
+            assert info is not None and info.custodian_pid is not None
+            os.kill(info.custodian_pid, how)
+    rest, rc = read_to_the_status(local)
+    assert rc == status, rest
+    terminal.feed(rest)
+    assert terminal.modes() == fresh, rest
+    if status == 0:
+        assert b"detached from" in rest
 
 
 # Leaves raw mode with bytes typed and not read, and says how many its terminal still has.
@@ -105,3 +236,14 @@ def test_what_was_typed_and_not_read_is_not_left_for_the_shell(
     os.write(local.master, b"x\x1c\x1b[92;5u")
     out = local.read_available(timeout=TIMEOUT, until=b"\n")
     assert re.search(rb"unread=0\r\n", out), out
+
+
+def test_kittys_flags_on_the_alternate_screen_are_popped_from_the_main_one() -> None:
+    """A program that left the alternate screen with flags pushed there (kitty keeps them
+    for the next program on it): what escrowctl writes on the way out pops them too."""
+    terminal = Terminal()
+    fresh = terminal.modes()
+    terminal.feed(MODES + b"\x1b[?1049l")
+    assert terminal.modes()["kitty flags, alternate screen"] == 27
+    terminal.feed(LEAVE)
+    assert terminal.modes() == fresh
