@@ -5,7 +5,8 @@ On a real screen (a tmux pane, as in tests/test_attach.py): the program in the s
 (tests/keys_app.py) switches on every mode a full-screen program may; on each way out the
 pane's modes are the ones it had before: tmux's mode flags, what a paste sends (bracketed or
 not), what Ctrl-Enter sends (modifyOtherKeys or not), `stty -g`. The detach key pressed twice
-or held down never kills escrowctl (it did: `^\\Quit`, exit 131).
+or held down never kills escrowctl (it did: `^\\Quit`, exit 131), and in the encodings of
+kitty's keyboard protocol and modifyOtherKeys, sent as a terminal sends them, it detaches.
 
 tmux 3.3 knows neither kitty's keyboard protocol nor synchronized updates, and reports no
 focus or margin modes: for those, what escrowctl writes to a PTY the test holds is played
@@ -115,6 +116,34 @@ def test_every_way_out_gives_the_terminal_back_whole(
     assert after.read_text() == before.read_text()
 
 
+def test_the_detach_key_is_found_in_the_encodings_of_keyboard_protocols(
+    screens: Screens, holder: HolderProcess
+) -> None:
+    """A terminal under kitty's keyboard protocol or modifyOtherKeys sends Ctrl-\\ as an
+    escape sequence (here sent to the pane by tmux as the terminal would, byte by byte):
+    pressed twice, it reaches the program as it came; pressed once, it detaches."""
+    a = screens.pane("a")
+    encodings = {
+        "kitty": b"\x1b[92;5u",
+        "kitty, with its press and release": b"\x1b[92;5:1u\x1b[92;5:3u",
+        "modifyOtherKeys": b"\x1b[27;5;92~",
+    }
+    for n, (what, key) in enumerate(encodings.items()):
+        got = screens.dir / f"got{n}"
+        sid = f"e{n}"
+        a.line(f"escrowctl run --id {sid} -- {KEYS} program{n} --modes --log {got}; "
+               f"echo \"rc{n}=$?\"")
+        a.wait_text(f"program{n} ready")
+        # Twice (in one write of the terminal's, as a quick double press often comes).
+        a.keys("-H", *(f"{b:02x}" for b in key * 2))
+        wait_for(lambda: got.exists() and got.read_bytes() == key, TIMEOUT,  # noqa: B023
+                 f"the program to get the key, {what}, once")
+        a.keys("-H", *(f"{b:02x}" for b in key))
+        a.wait_text(f"detached from {RUN_OWNER}/{sid}")
+        assert int(a.wait_line(rf"^rc{n}=(\d+)$")[1]) == 0
+        assert state(holder, sid) == "draining" and got.read_bytes() == key, what
+
+
 @pytest.mark.parametrize("presses", ["twice, 0.1 s apart", "twice, 0.3 s apart",
                                      "twice, 0.5 s apart", "held down"])
 def test_the_detach_key_pressed_twice_or_held_never_kills_escrowctl(
@@ -176,7 +205,8 @@ def under_a_shell(*argv: str) -> list[str]:
 
 PTY_WAYS_OUT = {
     # name: (what the program does, what ends the attachment, escrowctl's exit status)
-    "detach-key": ([], b"\x1c", 0),
+    "detach-key, kitty": ([], b"\x1b[92;5u", 0),
+    "detach-key, modifyOtherKeys": ([], b"\x1b[27;5;92~", 0),
     "sigterm": ([], signal.SIGTERM, 0),
     "sighup": ([], signal.SIGHUP, 0),
     "program-exits": (["--exit", "7"], None, 7),
