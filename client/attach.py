@@ -29,9 +29,10 @@ the signal; a wake-up fd (`signal.set_wakeup_fd`) makes the loop see it, so none
 between a check and the wait. Call from the main thread.
 
 Here are the endings, the copy loop and the two ways in; each part they use has a module
-of its own: `local_terminal` (raw mode, and the modes given back), `detach_key`,
-`attach_signals` (the signals, and the write to a stalled terminal they interrupt) and
-`spawn` (the program `run` starts).
+of its own: `local_terminal` (raw mode, and the modes given back: `leaving`), `detach_key`
+(and the encodings of keyboard protocols: `key_events`), `attach_signals` (the signals, the
+write to a stalled terminal they interrupt, and the keys' signals ignored to the end of the
+process) and `spawn` (the program `run` starts).
 """
 
 from __future__ import annotations
@@ -152,16 +153,21 @@ class Attachment:
             if master in readable and self._from_program():
                 return Ending(False, "the program closed its terminal")
             if keys_fd in readable:
-                data, detach = self.keys.feed(self.terminal.read(), time.monotonic())
-                typed += data
-                self._to_program(typed)
-                if detach and (ending := self._detach_key()) is not None:
+                if (ending := self._keys(self.terminal.read(), typed)) is not None:
                     return ending
             elif master in writable:
                 self._to_program(typed)
             if self.keys.wait(time.monotonic()) == 0 and (
-                    ending := self._detach_key()) is not None:
+                    ending := self._keys(b"", typed)) is not None:
                 return ending
+
+    def _keys(self, data: bytes, typed: bytearray) -> Ending | None:
+        """What the user typed (b"": what waited for its time) goes to the program, less
+        the detach key; its ending if the key detaches."""
+        given, detach = self.keys.feed(data, time.monotonic())
+        typed += given
+        self._to_program(typed)
+        return self._detach_key() if detach else None
 
     def _detach_key(self) -> Ending | None:
         if not self.custody.protected:

@@ -11,6 +11,14 @@ ssh link, a frozen emulator) would block for ever, and nothing but SIGKILL would
 escrowctl. A detaching signal during a write (`interruptible`) leaves it: the handler marks
 the terminal stalled (nothing more is written to it) and raises `Interrupted`.
 
+The keys that signal (Ctrl-C, Ctrl-\\, Ctrl-Z: `KEYBOARD`) do so again from the moment the
+terminal gets its modes back, before custody has ended and escrowctl has said how the
+attachment ended; a key pressed then (the detach key's second press, or the key held down)
+would kill escrowctl there (`^\\Quit`, exit 131), interrupt it or stop it. So SIGQUIT and
+SIGTSTP are ignored from the start of an attachment, and all three from its end until the
+process exits (escrowctl exits next). Nothing is started after that, to inherit them
+ignored: the program `run` starts is started before.
+
 Call from the main thread.
 """
 
@@ -26,6 +34,7 @@ from .local_terminal import LocalTerminal
 
 DETACHING: dict[int, str] = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP",
                              signal.SIGINT: "SIGINT"}
+KEYBOARD: tuple[int, ...] = (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP)
 
 
 class Interrupted(Exception):
@@ -38,7 +47,8 @@ class Interrupted(Exception):
 
 class Signals:
     """The signals of one attachment. Resource handling: `handled()` installs the handlers
-    and the wake-up fd (`wake_fd`), and puts back what it found on leaving."""
+    and the wake-up fd (`wake_fd`), and puts back what it found on leaving, but for the
+    `KEYBOARD` signals, which it leaves ignored."""
 
     def __init__(self, terminal: LocalTerminal, child: bool) -> None:
         self.terminal = terminal
@@ -56,11 +66,14 @@ class Signals:
             os.set_blocking(fd, False)
         old_wake = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old = {signum: signal.signal(signum, self._note) for signum in self._wanted}
+        for signum in KEYBOARD:
+            if signum not in old:
+                signal.signal(signum, signal.SIG_IGN)
         try:
             yield
         finally:
             for signum, handler in old.items():
-                signal.signal(signum, handler)
+                signal.signal(signum, signal.SIG_IGN if signum in KEYBOARD else handler)
             signal.set_wakeup_fd(old_wake)
             os.close(self.wake_fd)
             os.close(self._wake_w)

@@ -4,9 +4,9 @@ Keys come from its input and the program's output goes to its output; while atta
 is in raw mode. It has to be escrowctl's foreground terminal: in the background, the first
 change of its modes would stop escrowctl (SIGTTOU) while it holds the session. A retrieved
 session is shown on a screen reset first (`RESET`); the terminal is given back with its
-termios as they were and the modes a program may have switched on switched off again
-(`LEAVE`). A terminal that goes away (EOF or EIO on it) is `TerminalGone`: the attachment
-detaches.
+termios as they were, what was typed and not read discarded, and the modes a program may
+have switched on switched off again (`leaving`). A terminal that goes away (EOF or EIO on
+it) is `TerminalGone`: the attachment detaches.
 """
 
 from __future__ import annotations
@@ -19,22 +19,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import errors
+from .leaving import AlternateScreen
 
 READ_SIZE = 65536
 
 # Written to the local terminal before the replay: RIS, a full reset (a fresh screen,
 # default modes), since the replay begins somewhere in the middle of the session's life.
 RESET = b"\x1bc"
-# Written when the local terminal is handed back: the modes a full-screen program may have
-# switched on, off again (a full reset would also wipe the screen the user comes back to).
-LEAVE = (
-    b"\x1b[?1047l"  # the main screen (1047: without moving the cursor, as 1049 would)
-    b"\x1b7\x1b[r\x1b8"  # no scroll region (it homes the cursor: saved around it)
-    b"\x1b[?1l\x1b>"  # normal cursor keys and keypad
-    b"\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1005l\x1b[?1006l\x1b[?1015l"  # no mouse reports
-    b"\x1b[?1004l\x1b[?2004l"  # no focus reports, no bracketed paste
-    b"\x1b[?7h\x1b(B\x1b[0m\x1b[?25h"  # autowrap, ASCII, plain text, a visible cursor
-)
 
 
 class TerminalGone(Exception):
@@ -45,9 +36,10 @@ class LocalTerminal:
     """The terminal escrowctl runs in: keys come from `in_fd`, output goes to `out_fd`.
 
     Resource handling: `raw()` puts it in raw mode and gives it back on leaving, with the
-    termios it had and the modes a program may have set through escape sequences (`LEAVE`);
-    a terminal that has gone away is not an error there. Nothing here changes the file
-    status flags of either fd: the shell that started escrowctl shares them."""
+    termios it had and the modes a program may have set through escape sequences
+    (`leaving`), and what was typed and not read discarded; a terminal that has gone away
+    is not an error there. Nothing here changes the file status flags of either fd: the
+    shell that started escrowctl shares them."""
 
     def __init__(self, in_fd: int = 0, out_fd: int = 1) -> None:
         for fd, what in ((in_fd, "input"), (out_fd, "output")):
@@ -61,6 +53,7 @@ class LocalTerminal:
                                            "terminal to attach (not with &)")
         self.in_fd, self.out_fd = in_fd, out_fd
         self.stalled = False  # it stopped taking output: nothing more is written to it
+        self.screen = AlternateScreen()  # how the program is on the alternate screen
 
     def size(self) -> tuple[int, int]:
         """(rows, cols)."""
@@ -79,11 +72,15 @@ class LocalTerminal:
             # went through output processing as it was written).
             try:
                 if not self.stalled:
-                    self.write(LEAVE)
+                    self.write(self.screen.leave())
             except TerminalGone:
                 pass
             try:
                 termios.tcsetattr(self.in_fd, termios.TCSANOW, saved)
+                # Typed and not read: keys for the session (the detach key pressed again,
+                # or held down; in the program's keyboard protocol), not for the shell the
+                # terminal goes back to. What is typed from now on is the shell's.
+                termios.tcflush(self.in_fd, termios.TCIFLUSH)
             except (OSError, termios.error):
                 pass
 
@@ -100,6 +97,7 @@ class LocalTerminal:
         return data
 
     def write(self, data: bytes) -> None:
+        self.screen.seen(data)
         view = memoryview(data)
         while view:
             try:
