@@ -81,6 +81,51 @@ def test_repaint_waits_at_most_wait_for_a_program_that_does_not_answer(
     assert termios.tcgetwinsize(child.master) == (24, 80)
 
 
+# Answers SIGWINCH in two writes a moment apart, each with the size it sees then.
+TWO_WRITES = [sys.executable, "-c", """if True:
+    import signal, termios, time
+    def winch(*_):
+        print("first %d" % termios.tcgetwinsize(0)[0], flush=True)
+        time.sleep(0.1)
+        print("then %d" % termios.tcgetwinsize(0)[0], flush=True)
+    signal.signal(signal.SIGWINCH, winch)
+    print("ready", flush=True)
+    while True:
+        signal.pause()
+"""]
+
+
+def test_repaint_restores_the_size_only_once_the_output_stops(
+    pty_children: Callable[..., PtyChild]
+) -> None:
+    """The program's answer is all written before the size goes back, not just begun: a
+    program on its way back to waiting for input may not act on a signal until a key."""
+    child = pty_children(TWO_WRITES)
+    assert b"ready" in child.read_available(until=b"ready")
+    started = time.monotonic()
+    repaint(child.master, quiet=0.5)  # far longer than the gap, for a loaded machine
+    took = time.monotonic() - started
+    seen = re.findall(rb"(first|then) (\d+)", child.read_available(until=b"then 24"))
+    assert seen == [(b"first", b"23"), (b"then", b"23"), (b"first", b"24"), (b"then", b"24")]
+    assert 0.6 <= took < 5.0
+
+
+def test_repaint_stops_waiting_at_its_limit_for_a_program_that_keeps_writing(
+    pty_children: Callable[..., PtyChild]
+) -> None:
+    # A byte every 10 ms for 5 s: never quiet for `quiet`, and far from filling the terminal.
+    child = pty_children([sys.executable, "-c", """if True:
+        import sys, time
+        for _ in range(500):
+            sys.stdout.write("."); sys.stdout.flush(); time.sleep(0.01)
+    """])
+    assert child.read_available(until=b".")
+    started = time.monotonic()
+    repaint(child.master, quiet=0.2, limit=0.5)
+    assert 0.5 <= time.monotonic() - started < 2.0
+    assert termios.tcgetwinsize(child.master) == (24, 80)
+
+
 def test_repaint_on_a_non_terminal_raises() -> None:
     r, w = os.pipe()
     try:
