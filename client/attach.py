@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import errors
+from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
 from .custody import Custody
@@ -56,6 +57,8 @@ from .liveness import process_name
 from .local_terminal import READ_SIZE, RESET, LocalTerminal, TerminalGone
 from .protocol import LIVE_STATES
 from .repaint import repaint
+from .replies import ASK, Replies
+from .safe_replay import safe_replay
 from .spawn import CannotRun, end, exit_status, spawn
 
 __all__ = [
@@ -103,6 +106,7 @@ class Attachment:
         self.child = child
         self._signals = Signals(terminal, child is not None)
         self._size = (0, 0)  # the session's, as last set
+        self._replies = Replies(None)  # what the local terminal answers, kept from the program
 
     def run(self, replay: bytes | None = None) -> Ending:
         """Attach until one of the endings, and see to the session as it says (custody
@@ -115,7 +119,9 @@ class Attachment:
             try:
                 with self._signals.handled(), self.terminal.raw():
                     if replay is not None:
-                        self._write_local(RESET + replay)
+                        self._write_local(RESET + safe_replay(replay) + after_replay(replay)
+                                          + ASK)
+                        self._replies = Replies(time.monotonic())
                         if not self._resize():  # a new size makes the program redraw
                             repaint(self.master)
                     else:
@@ -142,7 +148,7 @@ class Attachment:
         master, keys_fd, wake = self.master, self.terminal.in_fd, self._signals.wake_fd
         typed = bytearray()  # for the program, not yet taken by its terminal
         while True:
-            wait = self.keys.wait(time.monotonic())
+            wait = self._replies.wait(time.monotonic(), self.keys.wait(time.monotonic()))
             readable, writable, _ = select.select(
                 [wake, keys_fd, master], [master] if typed else [], [], wait)
             if wake in readable:
@@ -151,8 +157,10 @@ class Attachment:
                     return ending
             if master in readable and self._from_program():
                 return Ending(False, "the program closed its terminal")
-            if keys_fd in readable:
-                data, detach = self.keys.feed(self.terminal.read(), time.monotonic())
+            if keys_fd in readable or self._replies.due(time.monotonic()):
+                data, detach = self.keys.feed(self._replies.feed(
+                    self.terminal.read() if keys_fd in readable else b"", time.monotonic()),
+                    time.monotonic())
                 typed += data
                 self._to_program(typed)
                 if detach and (ending := self._detach_key()) is not None:
