@@ -48,11 +48,12 @@ wherever it is.
 which a replay almost always is, 0x80-0xBF are continuation bytes: the 0x9c of a check mark
 (E2 9C 93) in a title is no ST. So a C1 byte counts as a control only where it cannot be a
 continuation byte: after an ASCII byte (or first). UTF-8-encoded C1 controls (C2 9B for
-U+009B, which xterm and VTE take for CSI) count everywhere: no text is made of them.
+U+009B) count everywhere: no text is made of them, and a terminal that takes them for
+controls would answer them (xterm ignores them; not every terminal does).
 
 Cost: a few passes of regular expressions over the replay (the 8-bit ones only over a
 replay that has such bytes), with Python work only per question, or per control sequence
-whose final byte a question's could be; a MiB of htop's output took about 5 ms on a
+whose final byte a question's could be; a MiB of htop's output took 5 to 6 ms on a
 2-vCPU VM (docs/performance.md).
 """
 
