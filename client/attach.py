@@ -127,6 +127,7 @@ class Attachment:
                     else:
                         self._resize()  # the terminal may have changed size while we started
                     ending = self._copy()
+                    self._last_answer()
             except TerminalGone as exc:
                 ending = Ending(True, f"the terminal went away: {exc}")
             except Interrupted as exc:
@@ -170,6 +171,16 @@ class Attachment:
             if self.keys.wait(time.monotonic()) == 0 and (
                     ending := self._detach_key()) is not None:
                 return ending
+
+    def _last_answer(self) -> None:
+        """Read the terminal's answer to ASK if it has not come yet (what else comes with it
+        is not for the session any more)."""
+        while (left := self._replies.awaited(time.monotonic())) is not None:
+            if select.select([self.terminal.in_fd], [], [], left)[0]:
+                try:
+                    self._replies.feed(self.terminal.read(), time.monotonic())
+                except TerminalGone:
+                    return  # nobody is left to type it at
 
     def _detach_key(self) -> Ending | None:
         if not self.custody.protected:

@@ -19,10 +19,14 @@ reads what the terminal sends through `Replies`:
   once. A read that ends with what may be the start of a reply (ESC, `ESC [ 2 ;`) keeps it
   until the next read, or the end of `WAIT`, and then decides.
 - After that, everything passes.
+- An attach that ends before the answer came (the program had exited: it shows the last
+  words and is done) waits for it, for what is left of `WAIT` (`awaited`), and reads it:
+  left in the terminal, it would be typed at the prompt of the shell escrowctl returns to.
 
 What can be lost: keys typed during that first second that are, byte for byte, a terminal
 reply: shift or control with F3 on some keyboards (`CSI 1 ; 2 R`, a cursor report's
-shape). What can be late: a lone ESC typed then, kept until the next read or `WAIT`.
+shape); and keys typed while an attach that has ended waits for the answer. What can be
+late: a lone ESC typed in that second, kept until the next read or `WAIT`.
 Replies in raw 8-bit form (S8C1T on a terminal not in UTF-8) are not recognised; their
 UTF-8-encoded form (C2 9B for CSI) is.
 """
@@ -87,6 +91,13 @@ class Replies:
         end = begun.start() if begun is not None else len(data)
         self._held = data[end:]
         return b"".join(kept) + data[start:end]
+
+    def awaited(self, now: float) -> float | None:
+        """Seconds left to wait for the answer to `ASK` before leaving the terminal, or None:
+        it came, or `WAIT` is over."""
+        if self._answered or now >= self._until:
+            return None
+        return self._until - now
 
     def due(self, now: float) -> bool:
         """Whether what was kept back is to be decided now (`WAIT` is over): `feed` gives it."""

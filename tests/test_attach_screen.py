@@ -27,6 +27,7 @@ from test_attach import (
     ESCROWCTL,
     INNER,
     INNER_BASH,
+    OUTER,
     RUN_OWNER,
     TIMEOUT,
     Pane,
@@ -255,3 +256,22 @@ def test_attach_writes_no_question_to_the_terminal_but_its_own(
     assert info is not None and info.custodian_pid is not None
     os.kill(info.custodian_pid, signal.SIGTERM)
     assert local.proc.wait(TIMEOUT) == 0
+
+
+def test_an_attach_that_ends_at_once_leaves_no_answer_to_the_shell(
+    tmux: Screens, holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """A session whose program has exited: the attach shows its last words and ends at
+    once, before the terminal can have answered escrowctl's question; that answer must not
+    be left to the shell escrowctl returns to, typed at its prompt."""
+    program = pty_children(["sh", "-c", "echo last words"])
+    holder.client().hand_off("x", program.master, child_pid=program.pid)
+    wait_for(lambda: (s := session(holder, "x", OWNER)) is not None and s.state == "exited",
+             TIMEOUT, "the session to exit")
+    pane = tmux.pane("a")
+    pane.line(f"escrowctl attach {OWNER}/x")
+    pane.wait_text(f"{OWNER}/x has ended")
+    pane.wait_prompt(OUTER)
+    pane.line("echo typed")
+    pane.wait_line(r"^typed$")
+    assert f"{OUTER}echo typed" in shown(pane.capture()), pane.capture()

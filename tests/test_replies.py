@@ -75,6 +75,15 @@ def test_after_the_wait_only_the_answer_is_dropped() -> None:
     assert replies.feed(ANSWER, WAIT + 3) == ANSWER
 
 
+def test_an_attach_that_ends_waits_for_the_answer_for_what_is_left_of_the_wait() -> None:
+    replies = Replies(0.0)
+    assert replies.awaited(0.25) == WAIT - 0.25
+    assert replies.feed(b"x" + ANSWER, 0.5) == b"x"
+    assert replies.awaited(0.5) is None  # it came
+    assert Replies(0.0).awaited(WAIT) is None  # it did not, and the wait is over
+    assert Replies(None).awaited(0.0) is None  # nothing was asked
+
+
 def test_no_control_key_is_kept_back_or_dropped_with_a_reply() -> None:
     """The detach key (a control key) goes through at once, even after what may begin a
     string reply."""
