@@ -1,5 +1,6 @@
 """escrow_client: hand PTY masters to escrowd and take them back (a blocking API)."""
 
+from .after_replay import after_replay
 from .client import EscrowClient, ReclaimReport, Retrieved
 from .custody import Custody
 from .errors import (
@@ -26,6 +27,7 @@ from .errors import (
 )
 from .protocol import HolderStatus, SessionInfo
 from .repaint import repaint
+from .safe_replay import safe_replay
 
 __version__ = "0.1.0"
 
@@ -56,5 +58,7 @@ __all__ = [
     "SessionInfo",
     "SessionUnknown",
     "UnsupportedVersion",
+    "after_replay",
     "repaint",
+    "safe_replay",
 ]

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import errors
+from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
 from .custody import Custody
@@ -57,6 +58,8 @@ from .liveness import process_name
 from .local_terminal import READ_SIZE, RESET, LocalTerminal, TerminalGone
 from .protocol import LIVE_STATES
 from .repaint import repaint
+from .replies import ASK, Replies
+from .safe_replay import safe_replay
 from .spawn import CannotRun, end, exit_status, spawn
 
 __all__ = [
@@ -104,6 +107,7 @@ class Attachment:
         self.child = child
         self._signals = Signals(terminal, child is not None)
         self._size = (0, 0)  # the session's, as last set
+        self._replies = Replies(None)  # what the local terminal answers, kept from the program
 
     def run(self, replay: bytes | None = None) -> Ending:
         """Attach until one of the endings, and see to the session as it says (custody
@@ -116,12 +120,15 @@ class Attachment:
             try:
                 with self._signals.handled(), self.terminal.raw():
                     if replay is not None:
-                        self._write_local(RESET + replay)
+                        self._write_local(RESET + safe_replay(replay) + after_replay(replay)
+                                          + ASK)
+                        self._replies = Replies(time.monotonic())
                         if not self._resize():  # a new size makes the program redraw
                             repaint(self.master)
                     else:
                         self._resize()  # the terminal may have changed size while we started
                     ending = self._copy()
+                    self._last_answer()
             except TerminalGone as exc:
                 ending = Ending(True, f"the terminal went away: {exc}")
             except Interrupted as exc:
@@ -143,7 +150,7 @@ class Attachment:
         master, keys_fd, wake = self.master, self.terminal.in_fd, self._signals.wake_fd
         typed = bytearray()  # for the program, not yet taken by its terminal
         while True:
-            wait = self.keys.wait(time.monotonic())
+            wait = self._replies.wait(time.monotonic(), self.keys.wait(time.monotonic()))
             readable, writable, _ = select.select(
                 [wake, keys_fd, master], [master] if typed else [], [], wait)
             if wake in readable:
@@ -152,8 +159,10 @@ class Attachment:
                     return ending
             if master in readable and self._from_program():
                 return Ending(False, "the program closed its terminal")
-            if keys_fd in readable:
-                if (ending := self._keys(self.terminal.read(), typed)) is not None:
+            if keys_fd in readable or self._replies.due(time.monotonic()):
+                data = self.terminal.read() if keys_fd in readable else b""
+                if (ending := self._keys(self._replies.feed(data, time.monotonic()),
+                                         typed)) is not None:
                     return ending
             elif master in writable:
                 self._to_program(typed)
@@ -168,6 +177,16 @@ class Attachment:
         typed += given
         self._to_program(typed)
         return self._detach_key() if detach else None
+
+    def _last_answer(self) -> None:
+        """Read the terminal's answer to ASK if it has not come yet (what else comes with it
+        is not for the session any more)."""
+        while (left := self._replies.awaited(time.monotonic())) is not None:
+            if select.select([self.terminal.in_fd], [], [], left)[0]:
+                try:
+                    self._replies.feed(self.terminal.read(), time.monotonic())
+                except TerminalGone:
+                    return  # nobody is left to type it at
 
     def _detach_key(self) -> Ending | None:
         if not self.custody.protected:
