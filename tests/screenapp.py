@@ -25,7 +25,7 @@ import sys
 import termios
 import tty
 
-from escrow_client import Custody, EscrowClient, Retrieved, repaint
+from escrow_client import Custody, EscrowClient, Retrieved, after_replay, repaint, safe_replay
 
 OWNER = "com.example.term"
 
@@ -111,7 +111,8 @@ def main() -> None:
         # This window's size, as a terminal app gives it to a session it shows. Here it is
         # the size the session already has, which changes nothing and signals nobody.
         termios.tcsetwinsize(master, termios.tcgetwinsize(stdout))
-        write_all(stdout, b"\x1bc" + retrieved.replay)
+        replay = retrieved.replay
+        write_all(stdout, b"\x1bc" + safe_replay(replay) + after_replay(replay))
         if not args.no_repaint:
             repaint(master)
         write_ready(args.ready)
