@@ -27,7 +27,10 @@
 
 Baselines are C (compiled into a temp dir now) when a compiler is present, else Python.
 Medians over repeats; the drain ratios are medians over interleaved pairs of runs. It
-reports; it asserts nothing. --quick finishes in under a minute.
+reports; it asserts nothing. --quick finishes in under a minute. `--only drain,journal`
+runs only those (and prints JSON); `--drain-output FILE` has the child of the drain and the
+journal write FILE's bytes over and over instead of text lines, holder and baseline alike
+(a program's output, as recorded: full-screen programs print an ESC every few bytes).
 """
 
 from __future__ import annotations
@@ -73,6 +76,17 @@ buf = memoryview(line * 820)
 while total > 0:
     total -= os.write(1, buf[:total])
 """
+PY_FILE_WRITER = """
+import os, sys, tty
+data, total = open(sys.argv[1], "rb").read(), int(sys.argv[2])
+if os.isatty(1):
+    tty.setraw(1)
+buf, at = memoryview(data * (131072 // len(data) + 2)), 0
+while total > 0:
+    n = os.write(1, buf[at : at + min(total, 65536)])
+    total, at = total - n, (at + n) % len(data)
+"""
+DRAIN_OUTPUT: str | None = None  # --drain-output
 PY_READER = """
 import os
 total = 0
@@ -276,6 +290,8 @@ def bench_reclaim(repeats: int, fd_roundtrip_us: float) -> dict[str, Any]:
 
 
 def writer_cmd(baselines: str | None, total: int) -> list[str]:
+    if DRAIN_OUTPUT is not None:
+        return [sys.executable, "-c", PY_FILE_WRITER, DRAIN_OUTPUT, str(total)]
     if baselines is not None:
         return [baselines, "writer", str(total)]
     return [sys.executable, "-c", PY_WRITER, str(total)]
@@ -805,22 +821,44 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-pin", action="store_true",
                         help="drain: let the scheduler place reader and writer (noisier)")
+    parser.add_argument("--only", default="", metavar="NAMES",
+                        help="only these, comma-separated (handoff, reclaim, drain, scale, "
+                        "startup, restart, deposit, journal); prints JSON")
+    parser.add_argument("--drain-output", metavar="FILE",
+                        help="drain, journal: the child writes FILE's bytes over and over")
     args = parser.parse_args()
     quick = args.quick
+    global DRAIN_OUTPUT
+    DRAIN_OUTPUT = args.drain_output
+    only = set(args.only.split(",")) if args.only else None
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
     with tempfile.TemporaryDirectory(prefix="esc-bench-c-") as tmp:
         baselines = compile_baselines(tmp)
         result: dict[str, Any] = {}
-        result.update(bench_handoff(baselines, rounds=200 if quick else 1000))
-        result.update(bench_reclaim(3 if quick else 7, result["fd_roundtrip_us"]))
-        result.update(bench_drain(baselines, (64 if quick else 256) * MiB, 4 if quick else 8,
-                                  pin=not args.no_pin))
-        result.update(bench_scale(1000, idle_seconds=2.0 if quick else 10.0))
-        result.update(bench_startup(3 if quick else 7))
-        result.update(bench_restart(1000, 1 if quick else 5))
-        result.update(bench_deposit(200 if quick else 1000))
-        result.update(bench_journal(baselines, (64 if quick else 256) * MiB, 3 if quick else 7))
+        if wanted("handoff"):
+            result.update(bench_handoff(baselines, rounds=200 if quick else 1000))
+        if wanted("reclaim"):
+            roundtrip = result.get("fd_roundtrip_us") or fd_roundtrip(baselines, 1000)[0]
+            result.update(bench_reclaim(3 if quick else 7, roundtrip))
+        if wanted("drain"):
+            result.update(bench_drain(baselines, (64 if quick else 256) * MiB,
+                                      4 if quick else 8, pin=not args.no_pin))
+        if wanted("scale"):
+            result.update(bench_scale(1000, idle_seconds=2.0 if quick else 10.0))
+        if wanted("startup"):
+            result.update(bench_startup(3 if quick else 7))
+        if wanted("restart"):
+            result.update(bench_restart(1000, 1 if quick else 5))
+        if wanted("deposit"):
+            result.update(bench_deposit(200 if quick else 1000))
+        if wanted("journal"):
+            result.update(bench_journal(baselines, (64 if quick else 256) * MiB,
+                                        3 if quick else 7))
     result["quick"] = quick
-    if args.json:
+    if args.json or only is not None:
         print(json.dumps(result))
     else:
         print(table(result))

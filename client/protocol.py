@@ -194,7 +194,7 @@ class SessionInfo(msgspec.Struct, kw_only=True):
 
 # What this holder does beyond the first version-1 holders: a client checks before it
 # relies on one (an older holder ignores `keep`, and would hand the session off for good).
-FEATURES = ("keep", "retrieve_many", "journal", "update", "journal_reading")
+FEATURES = ("keep", "retrieve_many", "journal", "update", "journal_reading", "modes")
 
 
 class Welcome(Message, tag="welcome"):
@@ -249,6 +249,11 @@ class Handoff(Message, tag="handoff"):
     # With retrieve{keep, journal}: where the app goes on writing; the journal file is the
     # second fd.
     journal: Journal | None = None
+    # The terminal modes (the alternate screen, a hidden cursor...) that a preamble of
+    # `replay_preamble` bytes at the start of `replay` sets, because the bytes that set them
+    # are no longer in it: names, in its order (PROTOCOL.md section 12.2).
+    restored_modes: list[str] = []
+    replay_preamble: int = 0
 
 
 class Done(Message, tag="done"):

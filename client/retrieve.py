@@ -109,7 +109,9 @@ def retrieve_many_on(
                 fds[0], reply.session, reply.replay, reply.dropped_bytes, reply.handoff_id,
                 confirmed=False, replay_trimmed=reply.replay_trimmed,
                 replay_journaled=reply.replay_journaled, journal=reply.journal,
-                journal_fd=fds[1] if len(fds) > 1 else None)
+                journal_fd=fds[1] if len(fds) > 1 else None,
+                restored_modes=tuple(reply.restored_modes),
+                replay_preamble=reply.replay_preamble)
         # One ack for all (the holder's answers never pile up unread meanwhile).
         if len(got) == 1:
             (result,) = got.values()

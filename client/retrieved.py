@@ -26,6 +26,10 @@ class Retrieved:
     `dropped_bytes` were lost to a full ring before `replay`; `replay_trimmed` more were
     cut so that it starts on a clean boundary (docs/design.md §12); `replay_journaled` of its
     bytes were recorded by the app before (a journal), the rest drained by the holder.
+    `restored_modes` names the terminal modes (the alternate screen, a hidden cursor...)
+    that `replay` sets first, in a preamble of its first `replay_preamble` bytes, because
+    the bytes the program set them with are no longer in it: written after a reset, the
+    replay leaves the emulator in the modes the program is in.
     """
 
     fd: int
@@ -36,6 +40,8 @@ class Retrieved:
     confirmed: bool
     replay_trimmed: int = 0
     replay_journaled: int = 0
+    restored_modes: tuple[str, ...] = ()
+    replay_preamble: int = 0
     # A retrieve into custody with a journal: where the app goes on recording (the
     # custody takes these over).
     journal: protocol.Journal | None = None

@@ -20,6 +20,7 @@ import msgspec
 from escrow_client import protocol
 from escrow_client.platform import pid_max
 
+from .modes import Modes, Scanner
 from .statefile import BIG_SLOT, HolderRecord, Record
 
 LIVE_STATES = ("held", "draining", "handing_off", "exited")
@@ -93,6 +94,11 @@ def _layout_doubt(record: Record, file_size: int, total: int) -> str | None:
         return "a gap past the ring's counter"
     if any(not 0 <= a <= b <= total for a, b in record.journal_ranges):
         return "a journal range out of bounds"
+    if not 0 <= record.modes_at <= total:
+        return "its terminal modes are recorded past the ring's counter"
+    if Modes.from_stored(record.modes) is None or not Scanner.valid_pending(
+            record.modes_pending):
+        return "its terminal modes are not a set the holder records"
     return None
 
 

@@ -51,6 +51,7 @@ class Drained(Protocol):
     hung_up: bool
 
     def log(self, event: str, **fields: object) -> None: ...
+    def persist(self, clean: bool = False) -> None: ...
 
 
 class Reader:
@@ -96,6 +97,10 @@ class Reader:
                 await trio.lowlevel.wait_readable(session.fd)
             try:
                 hung_up = self.pull(overwrite=True, at_most=_DRAIN_SLICE)
+                if session.ring.modes.dirty:
+                    # The modes at the replay's start changed (bytes that set them left the
+                    # ring): recorded once a slice, for a holder that adopts this session.
+                    session.persist()
             except Exception as exc:
                 # Never let one terminal's surprise take the holder (and every session)
                 # down, nor stop draining it: a child must not block. Log and retry.

@@ -13,7 +13,9 @@ the whole of it:
    it inside `drain_stop_budget`.
 3. Restore the app's file status flags, take each fd out of trio's epoll, and send a
    `handoff` per session with its fd attached, each inside `send_deadline`. A replay whose
-   ring wrapped starts at a clean boundary (`replay_trimmed`).
+   ring wrapped starts at a clean boundary (`replay_trimmed`), then with a preamble that
+   puts the terminal in the modes in force there, set by bytes the ring no longer holds
+   (`restored_modes`: escrowd.ring_modes).
    A `retrieve_many` goes through steps 1 to 3 a chunk of sessions at a time, so that the
    app takes in the first handoffs while the holder stops the next drains.
 4. Keep the holder's copies, unread, until the app's `ack` for each arrives (inside the ack
@@ -284,9 +286,12 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
     # Only a ring that lost its oldest bytes can start inside a line, a sequence or a
     # character; a replay that starts where the app stopped reading does not.
     trimmed = clean_start(replay) if ring.dropped_since_delivery else 0
-    if trimmed:
-        replay = replay[trimmed:]
-        info.replay_gaps = [at - trimmed for at in info.replay_gaps if at >= trimmed]
+    preamble, restored = ring.modes.replay_start(replay[:trimmed]).preamble()
+    replay_from = ring.total - len(replay) + trimmed
+    if trimmed or preamble:
+        replay = preamble + replay[trimmed:]
+        shift = len(preamble) - trimmed
+        info.replay_gaps = [at + shift for at in info.replay_gaps if at >= trimmed]
         info.replay_gap_at = info.replay_gaps[-1] if info.replay_gaps else None
     granted = journal.grant(session) if with_journal else None
     layout = granted[0] if granted is not None else None
@@ -296,8 +301,10 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
         replay=replay,
         dropped_bytes=ring.dropped_since_delivery,
         replay_trimmed=trimmed,
-        replay_journaled=journal.journaled(session, ring.total - len(replay)),
+        replay_journaled=journal.journaled(session, replay_from),
         journal=layout,
+        restored_modes=restored,
+        replay_preamble=len(preamble),
     )
     fds = [session.fd] if granted is None else [session.fd, granted[1]]
     return message, fds

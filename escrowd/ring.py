@@ -19,6 +19,10 @@ A read can overwrite held bytes only once the ring can grow no more (at its limi
 of budget): the layout says so (`saturated`) before the first such read, so that a holder
 adopting the file after a kill drops the oldest bytes only when they may really have been
 overwritten, never those of a ring that still had room.
+
+Every write tells the ring's `modes` (escrowd.ring_modes) which stored bytes it is about to
+write over, so that the terminal modes in force at the oldest byte are known when a replay
+is cut from it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol, TypedDict
 
+from .ring_modes import RingModes
 from .statefile import MAX_READ, Record, StateFile
 
 MIN_CAPACITY = 16 * 1024
@@ -142,10 +147,7 @@ class Ring:
         self._released = False
         self.state = state if state is not None else StateFile.create(Record, limit, "ring")
         self._data = self.state.data
-        self.capacity = 0
-        self.origin = 0
-        self.total_at_layout = 0
-        self.length_at_layout = 0
+        self.capacity = self.origin = self.total_at_layout = self.length_at_layout = 0
         self._total = self.state.total
         self._length = 0  # length_at_layout + total - total_at_layout
         # A read may overwrite held bytes (the ring could not grow enough for it): in the
@@ -156,6 +158,7 @@ class Ring:
         self.consumed = 0
         self.dropped_base = 0  # `dropped` when the replay was last delivered (`consume`)
         self.on_layout: Callable[[], None] | None = None
+        self.modes = RingModes(self)  # the modes at the oldest byte, for a replay's start
 
     # --- what is held --------------------------------------------------------------------
 
@@ -224,6 +227,7 @@ class Ring:
             n = len(chunk)
             write_at = self._make_room(n, overwrite=True)
             cap = self.capacity
+            self.modes.appending(chunk, self._total + n - cap)  # the bytes these write over
             if cap:
                 first = min(n, cap - write_at)
                 self._data[write_at : write_at + first] = chunk[:first]
@@ -234,11 +238,9 @@ class Ring:
     def skip(self, count: int) -> None:
         """`count` bytes that are lost (counted, and dropped), after which the ring starts
         empty: what it held before cannot run on into what comes after them."""
-        if count <= 0:
-            return
-        self._total += count
-        self.state.set_total(self._total)
-        self._relayout(0, self._total, 0)
+        if count > 0:
+            self.modes.catch_up(self._total)  # (the new layout maps none of the stored bytes)
+            self.restart(self._total + count)
 
     def restart(self, total: int) -> None:
         """Empty, counting from `total` on: what was held is dropped (a holder that adopts
@@ -247,6 +249,7 @@ class Ring:
         self._total = total
         self.state.set_total(total)
         self._relayout(0, total, 0)
+        self.modes.lost(total)
 
     def _relayout(self, origin: int, total: int, length: int) -> None:
         cap = self.capacity
@@ -274,6 +277,7 @@ class Ring:
             if not overwrite:
                 return 0
             n = os.readv(fd, [memoryview(_SCRATCH)[: min(at_most, len(_SCRATCH))]])
+            self.modes.unstored(_SCRATCH, n)
             self._advance(n)
             return n
         if overwrite:
@@ -285,10 +289,12 @@ class Ring:
         count = at_most if at_most < room else room
         end = write_at + count
         data = self._data
+        saved = self.modes.save(self._total + count - cap)  # what the read may write over
         if end <= cap:
             n = os.readv(fd, [data[write_at:end]])
         else:
             n = os.readv(fd, [data[write_at:cap], data[: end - cap]])
+        self.modes.overwritten(saved, self._total + n - cap)
         self._advance(n)
         return n
 
@@ -329,6 +335,7 @@ class Ring:
         extra = self._budget.grant(wanted - cap, cap)
         if extra == 0:
             return False
+        self.modes.catch_up(self._total - self.size)  # the new layout keeps the held bytes
         new_cap = cap + extra
         held = self.size
         end = (self.origin + self._length) % cap if cap else 0

@@ -160,7 +160,7 @@ class Session:
             journal_from=self.journal_from, journal_ranges=self.journal_ranges,
             journal_capacity=self.journal.capacity if self.journal is not None else 0,
             journal_copying=self.journal_copying, record_lost=self.record_lost,
-            **self.ring.layout(),
+            **self.ring.layout(), **self.ring.modes.stored(),
         ))
 
     @property

@@ -100,6 +100,11 @@ class Record(msgspec.Struct, kw_only=True):
     journal_ranges: list[tuple[int, int]] = []  # [from, to) totals an app recorded
     gap_totals: list[int] = []  # byte numbers after which one read may be missing
     record_lost: bool = False  # adopted without a record it could believe (escrowd.adoption)
+    # The terminal modes in force at byte number `modes_at`, and a sequence cut there
+    # (escrowd.modes, escrowd.ring_modes): what a replay starting there sets first.
+    modes: list[int] = []
+    modes_pending: bytes = b""
+    modes_at: int = 0
     instance: str = ""  # the holder that wrote it
     clean: bool = False  # True only once a holder stopped cleanly after writing it
 
@@ -181,6 +186,12 @@ class StateFile(Generic[R]):
             os.close(fd)
             raise
         return cls(fd, kind)
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The whole file, mapped: `data` is at DATA_OFFSET in it (an mmap finds a byte
+        with memchr, which a memoryview cannot: escrowd.ring_modes)."""
+        return self._mm
 
     # --- the hot counter -------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ def as_recorded(holder: HolderParts, master: int, state: StateFile[Record], reco
     except BaseException:
         ring.release()  # (and the state file with it)
         raise
+    ring.modes.restore(record.modes, record.modes_pending, record.modes_at)
     session = Session.adopted(master, ring, record, holder.instance, holder.store,
                               holder.registry.private_dir,
                               _journal_of(holder, record, journals.pop(record.token, [])))

@@ -52,6 +52,7 @@ import pytest
 from escrow_client import platform as escrow_platform
 from escrow_client import protocol
 from escrowd.config import Config
+from escrowd.modes import Scanner
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "PROTOCOL.md"
@@ -60,6 +61,7 @@ VECTORS = ROOT / "protocol-vectors"
 HANDOFF_ID = "5f0c6a1e9b2d4c7f8a3e6b1d0c9f2a74"
 HANDOFF_ID_2 = "9d3b7e21c4a85f60b1e2d7c93a4f0e58"
 HANDOFF_ID_3 = "2a6f0d94e1b7c35a8f4e9c0d6b3a1e72"
+HANDOFF_ID_4 = "c81e4a7f2b9d06e35a1f8c4b7d2e9a60"
 OWNER = "com.example.term"
 RING_BYTES = 1048576  # a holder's default --ring-bytes
 
@@ -153,6 +155,18 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
     "done_many": ("14.7", protocol.DoneMany(ids=["tab-3", "tab-4"])),
     "update": ("14.8", protocol.Update(id="tab-3", cols=132, rows=43)),
     "updated": ("14.8", protocol.Updated(id="tab-3")),
+    # Section 14.9: tab-2 (vim) was taken back into custody without a journal, its replay
+    # delivered; the app crashed; the holder drained the 14 bytes of vim's clock since.
+    "handoff_modes": ("14.9", protocol.Handoff(
+        handoff_id=HANDOFF_ID_4, session=protocol.SessionInfo(
+            owner=OWNER, id="tab-2", label="vim", state="draining", child_pid=31338,
+            child_alive=True, deposited_at=1767225601.5, state_since=1767225700.0,
+            buffered_bytes=14, dropped_bytes=0, custodian_pid=None, handoff_id=HANDOFF_ID_4,
+            cols=120, rows=40, meta={"cwd": "/home/ann"}),
+        replay=b"\x1b[?1049h\x1b[?1h\x1b=\x1b[?2004h" + b"\x1b[40;110H12:05",
+        restored_modes=["alternate_screen", "cursor_keys", "keypad", "bracketed_paste"],
+        replay_preamble=23,
+    )),
 }
 
 
@@ -465,7 +479,8 @@ def test_the_frames_shown_with_fds() -> None:
     carriers = {n: protocol.fds_carried(m) for n, (_, m) in EXAMPLES.items()
                 if protocol.fds_carried(m)}
     assert carriers == {"handoff": 1, "deposit": 1, "deposit_journal": 1,
-                        "deposited_journal": 1, "handoff_journal": 2, "handoff_journal_2": 2}
+                        "deposited_journal": 1, "handoff_journal": 2, "handoff_journal_2": 2,
+                        "handoff_modes": 1}
 
 
 def test_the_example_welcome_shows_the_default_settings() -> None:
@@ -484,18 +499,24 @@ def test_the_example_welcome_shows_the_default_settings() -> None:
     assert hello.timeout >= welcome.drain_stop_budget + welcome.send_deadline + 1.0
 
 
-@pytest.mark.parametrize("name", ["handoff", "handoff_journal", "handoff_journal_2"])
+@pytest.mark.parametrize("name", ["handoff", "handoff_journal", "handoff_journal_2",
+                                  "handoff_modes"])
 def test_the_example_handoff_keeps_its_promises(name: str) -> None:
     """Section 7: the handoff's own dropped_bytes and handoff_id equal its session's,
-    buffered_bytes is the replay's length with what was trimmed, and what the app
-    recorded is part of the replay."""
+    buffered_bytes is the replay's length less its preamble with what was trimmed, what
+    the app recorded is part of the replay, and the preamble sets the modes it names."""
     handoff = message(name)
     assert isinstance(handoff, protocol.Handoff)
     assert handoff.dropped_bytes == handoff.session.dropped_bytes
     assert handoff.handoff_id == handoff.session.handoff_id
-    assert handoff.session.buffered_bytes == len(handoff.replay) + handoff.replay_trimmed
-    assert 0 <= handoff.replay_journaled <= len(handoff.replay)
+    assert handoff.session.buffered_bytes == (len(handoff.replay) - handoff.replay_preamble
+                                              + handoff.replay_trimmed)
+    assert 0 <= handoff.replay_journaled <= len(handoff.replay) - handoff.replay_preamble
     assert handoff.session.state in ("draining", "exited")
+    scanner = Scanner()
+    scanner.feed(handoff.replay[: handoff.replay_preamble])
+    assert scanner.modes.preamble() == (handoff.replay[: handoff.replay_preamble],
+                                        handoff.restored_modes)
 
 
 def test_the_example_journals_are_fresh_journal_files() -> None:

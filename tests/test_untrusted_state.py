@@ -96,6 +96,9 @@ FORGED = {
     "capacity 2^40": dict(capacity=1 << 40),
     "saved_flags -1": dict(saved_flags=-1),
     "a gap past the counter": dict(gap_totals=[1 << 50]),
+    "modes not a set": dict(modes=[1, 1048, 17, 0, 0, 0, 0, 0, 0, 0, 0]),
+    "modes recorded past the counter": dict(modes_at=1 << 50),
+    "modes pending no sequence": dict(modes_pending=b"\x1b[?25l"),
 }
 
 

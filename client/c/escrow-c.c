@@ -513,7 +513,11 @@ static int cmd_decode(const char *hex) {
                    "\"replay_journaled\": %lld, \"journal\": ",
                    (long long)got.dropped_bytes, (long long)got.replay_trimmed,
                    (long long)got.replay_journaled);
-            json_journal(stdout, &j), printf("}\n");
+            json_journal(stdout, &j);
+            printf(", \"restored_modes\": [");
+            for (size_t i = 0; i < got.n_restored_modes; i++)
+                fputs(i > 0 ? ", " : "", stdout), json_str(stdout, got.restored_modes[i]);
+            printf("], \"replay_preamble\": %lld}\n", (long long)got.replay_preamble);
         }
         escrow_retrieved_free(&got);
     } else if (r == 0 && strcmp(f.type, "sessions") == 0) {

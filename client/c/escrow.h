@@ -31,6 +31,7 @@
 #define ESCROW_META_MAX 32          /* entries */
 #define ESCROW_INTS_MAX 32          /* entries kept from a map of ints; more are ignored */
 #define ESCROW_FEATURES_MAX 16      /* names kept from welcome.features; more are ignored */
+#define ESCROW_MODES_MAX 16         /* names kept from handoff.restored_modes; more are ignored */
 
 typedef enum escrow_code {
     ESCROW_OK = 0,
@@ -154,6 +155,11 @@ typedef struct escrow_retrieved {
     int64_t replay_trimmed;             /* then cut after them, so replay starts cleanly
                                            (section 12.2 step 5); 0 unless dropped_bytes */
     int64_t replay_journaled;           /* how many bytes of replay an app recorded */
+    int64_t replay_preamble;            /* replay begins with this many bytes of the holder's
+                                           that set the modes below (section 12.2 step 5):
+                                           write replay to a terminal reset first */
+    char restored_modes[ESCROW_MODES_MAX][33];
+    size_t n_restored_modes;
     char handoff_id[ESCROW_HANDOFF_ID_MAX + 1];
     int confirmed;                      /* 1: the holder said `done` (or `list` proved it) */
 } escrow_retrieved;

@@ -729,6 +729,23 @@ int escrow__decode_deposited(const frame *f, char id[ESCROW_NAME_MAX + 1], journ
     return have ? 0 : -1;
 }
 
+/* handoff.restored_modes: a list of str, an open set (section 12.2 step 5). */
+static int rd_modes(mp_in *in, escrow_retrieved *out) {
+    size_t n;
+    out->n_restored_modes = 0;
+    if (rd_array(in, &n) != 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *s;
+        size_t len;
+        if (rd_str(in, &s, &len) != 0) return -1;
+        if (out->n_restored_modes < ESCROW_MODES_MAX &&
+            copy_exact(out->restored_modes[out->n_restored_modes],
+                       sizeof out->restored_modes[0], s, len) == 0)
+            out->n_restored_modes++;
+    }
+    return 0;
+}
+
 int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j) {
     enum { HANDOFF_ID = 1, SESSION = 2, REPLAY = 4 };
     unsigned need = HANDOFF_ID | SESSION | REPLAY;
@@ -751,6 +768,8 @@ int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *
         else if (key_is(k, kl, "replay_trimmed")) r = rd_int(&in, &out->replay_trimmed);
         else if (key_is(k, kl, "replay_journaled")) r = rd_int(&in, &out->replay_journaled);
         else if (key_is(k, kl, "journal")) r = rd_journal(&in, j);
+        else if (key_is(k, kl, "restored_modes")) r = rd_modes(&in, out);
+        else if (key_is(k, kl, "replay_preamble")) r = rd_int(&in, &out->replay_preamble);
         else r = rd_skip(&in, 0);
         if (r != 0) return -1;
     }
