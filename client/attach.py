@@ -98,13 +98,17 @@ class Attachment:
     process started it (`run`)."""
 
     def __init__(self, custody: Custody, session_id: str, master: int, terminal: LocalTerminal,
-                 keys: DetachKey, child: subprocess.Popen[bytes] | None = None) -> None:
+                 keys: DetachKey, child: subprocess.Popen[bytes] | None = None,
+                 exiting: bool = False) -> None:
         self.custody = custody
         self.session_id = session_id
         self.master = master
         self.terminal = terminal
         self.keys = keys
         self.child = child
+        # The process exits once this has said how it ended (escrowctl): the keys that
+        # signal stay ignored until then (client/attach_signals.py says why).
+        self.exiting = exiting
         self._signals = Signals(terminal, child is not None)
         self._size = (0, 0)  # the session's, as last set
         self._replies = Replies(None)  # what the local terminal answers, kept from the program
@@ -122,9 +126,11 @@ class Attachment:
                     if replay is not None:
                         self._write_local(RESET + safe_replay(replay) + after_replay(replay)
                                           + ASK)
-                        self._replies = Replies(time.monotonic())
                         if not self._resize():  # a new size makes the program redraw
                             repaint(self.master)
+                        # From now: the repaint (up to a second) reads no key, and what the
+                        # terminal answered meanwhile is read, and told from keys, after it.
+                        self._replies = Replies(time.monotonic())
                     else:
                         self._resize()  # the terminal may have changed size while we started
                     ending = self._copy()
@@ -141,7 +147,10 @@ class Attachment:
             self.master = -1
             self.custody.close()
         if not ending.detached and self.child is not None:
+            self._signals.keyboard_back()  # the program's end may take long: Ctrl-C ends the wait
             return Ending(False, ending.why, exit_status(self.child.wait()))
+        if not self.exiting:
+            self._signals.keyboard_back()
         return ending
 
     # --- the copy loop ----------------------------------------------------------------
@@ -281,7 +290,8 @@ class Attachment:
 # --- the two ways in --------------------------------------------------------------------
 
 
-def attach(client: EscrowClient, session_id: str, detach_key: int | None) -> Ending:
+def attach(client: EscrowClient, session_id: str, detach_key: int | None,
+           exiting: bool = False) -> Ending:
     """`escrowctl attach`: retrieve `session_id` into custody (with its journal) and
     attach it to this process's terminal until it detaches or ends.
 
@@ -299,8 +309,8 @@ def attach(client: EscrowClient, session_id: str, detach_key: int | None) -> End
     except BaseException:
         custody.close()
         raise
-    return Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key)).run(
-        got.replay)
+    return Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
+                      exiting=exiting).run(got.replay)
 
 
 def _held_by_whom(client: EscrowClient, session_id: str,
@@ -319,7 +329,7 @@ def _held_by_whom(client: EscrowClient, session_id: str,
 
 
 def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
-        detach_key: int | None) -> Ending:
+        detach_key: int | None, exiting: bool = False) -> Ending:
     """`escrowctl run`: start `argv` in a new PTY the size of this process's terminal,
     deposit it in custody (with a journal) as `session_id`, and attach it.
 
@@ -345,5 +355,5 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         end(child)
         raise
     return Attachment(custody, session_id, master, terminal, DetachKey(detach_key),
-                      child).run()
+                      child, exiting=exiting).run()
 

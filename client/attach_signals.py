@@ -16,8 +16,10 @@ terminal gets its modes back, before custody has ended and escrowctl has said ho
 attachment ended; a key pressed then (the detach key's second press, or the key held down)
 would kill escrowctl there (`^\\Quit`, exit 131), interrupt it or stop it. So SIGQUIT and
 SIGTSTP are ignored from the start of an attachment, and all three from its end until the
-process exits (escrowctl exits next). Nothing is started after that, to inherit them
-ignored: the program `run` starts is started before.
+attachment has said how it ended (`keyboard_back` puts back what they were before): for
+escrowctl, which exits next, until it exits. Nothing is started meanwhile, to inherit them
+ignored: the program `run` starts is started before. Waiting for that program's end is
+not meanwhile: it can take as long as the program likes, and Ctrl-C must end the wait.
 
 Call from the main thread.
 """
@@ -48,7 +50,7 @@ class Interrupted(Exception):
 class Signals:
     """The signals of one attachment. Resource handling: `handled()` installs the handlers
     and the wake-up fd (`wake_fd`), and puts back what it found on leaving, but for the
-    `KEYBOARD` signals, which it leaves ignored."""
+    `KEYBOARD` signals, which it leaves ignored until `keyboard_back()`."""
 
     def __init__(self, terminal: LocalTerminal, child: bool) -> None:
         self.terminal = terminal
@@ -56,6 +58,7 @@ class Signals:
         if child:
             self._wanted.append(signal.SIGCHLD)
         self._noted: list[int] = []
+        self._keyboard: dict[int, signal._HANDLER] = {}  # the keys' handlers before handled()
         self.wake_fd = self._wake_w = -1
         self._writing = False  # in a write to the local terminal (see _note)
 
@@ -65,6 +68,7 @@ class Signals:
         for fd in (self.wake_fd, self._wake_w):
             os.set_blocking(fd, False)
         old_wake = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._keyboard = {signum: signal.getsignal(signum) for signum in KEYBOARD}
         old = {signum: signal.signal(signum, self._note) for signum in self._wanted}
         for signum in KEYBOARD:
             if signum not in old:
@@ -78,6 +82,12 @@ class Signals:
             os.close(self.wake_fd)
             os.close(self._wake_w)
             self.wake_fd = self._wake_w = -1
+
+    def keyboard_back(self) -> None:
+        """Put back what the keys that signal did before `handled()` (see above)."""
+        for signum, handler in self._keyboard.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._keyboard = {}
 
     def take(self) -> list[int]:
         """The signals noted since the last call, in order (the wake-up fd emptied)."""

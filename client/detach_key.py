@@ -26,6 +26,9 @@ DOUBLE_PRESS = 0.3
 # A terminal writes a key's escape sequence at once; one cut off by the end of a read waits
 # this long for the rest, and then goes to the program as it is.
 SPLIT_WAIT = 0.05
+# A bracketed paste whose end has not come this long after its last bytes has ended: a
+# terminal sends a paste whole, and a paste start typed by hand must not hide the key.
+PASTE_IDLE = 1.0
 
 _KEY_RE = re.compile(r"(?:\^|c-|ctrl[-+])(.)", re.IGNORECASE)
 
@@ -67,9 +70,13 @@ class DetachKey:
     `key` None, everything goes through.
 
     What is not a key typed does not count as one following a press: the key's own repeats
-    and release (a key held down is one press), the release of any key, a modifier key
-    alone. They wait with the press, and go to the program only if a second press follows.
-    Nothing inside a bracketed paste is the detach key: pasted text goes to the program.
+    and release (a key held down is one press: they are dropped, as the press is), the
+    release of any other key, a modifier key alone (these wait with the press, and go to
+    the program only if a second press follows).
+    Nothing inside a bracketed paste is the detach key: pasted text goes to the program at
+    once, and the paste's end is found even when split between reads; a paste whose end
+    does not come within `PASTE_IDLE` of its last bytes (or a paste start typed by hand)
+    ends there.
     A CSI sequence cut off at the end of a read waits up to `SPLIT_WAIT` for its end."""
 
     def __init__(self, key: int | None, double_press: float = DOUBLE_PRESS) -> None:
@@ -82,6 +89,8 @@ class DetachKey:
         self._partial = b""  # a CSI sequence cut off at the end of the last read
         self._partial_at = 0.0
         self._in_paste = False
+        self._paste_tail = b""  # the last bytes of a paste, to find its end across reads
+        self._paste_seen = 0.0  # when the paste last sent something
 
     def feed(self, data: bytes, now: float) -> tuple[bytes, bool]:
         """What of `data` (typed at `now`) goes to the program, and whether to detach now.
@@ -89,6 +98,10 @@ class DetachKey:
         `feed(b"", now)`, once `wait` says 0, gives what was waiting for its time."""
         if self.key is None:
             return data, False
+        if self._in_paste and data:
+            if now >= self._paste_seen + PASTE_IDLE:
+                self._in_paste = False  # an end that never came: a paste is sent at once
+            self._paste_seen = now
         out = bytearray()
         if self._pressed_at is not None and now >= self._pressed_at + self.double_press:
             return self._detach(out)
@@ -104,6 +117,9 @@ class DetachKey:
                 return self._detach(out)
             if kind == "end":
                 break
+            if kind == "pasted":  # the paste's end went on with it
+                i = at
+                continue
             if kind == "partial":
                 self._partial, self._partial_at = data[at:], since if partial and at == 0 else now
                 break
@@ -143,16 +159,17 @@ class DetachKey:
         """Where the next thing that may matter is, from `i`, and what: the detach key's
         byte ("key"), a CSI sequence ("csi"), one cut off by the end of `data` ("partial"),
         or nothing more ("end"). In a paste, only its end matters."""
-        csi = data.find(b"\x1b[", i)
         if self._in_paste:
-            while csi >= 0 and not data.startswith(key_events.PASTE_END, csi):
-                if key_events.PARTIAL_CSI.match(data, csi):
-                    return csi, "partial"  # perhaps the end of the paste, cut off
-                csi = data.find(b"\x1b[", csi + 2)
-            if csi >= 0:
-                self._in_paste = False
-                return csi, "csi"
-            return len(data), "end"
+            # Pasted bytes go on at once; only the paste's end is looked for, across reads
+            # too (its first bytes may have gone on with the read before).
+            tail, end = self._paste_tail, len(key_events.PASTE_END)
+            found = (tail + data[i:]).find(key_events.PASTE_END)
+            if found < 0:
+                self._paste_tail = (tail + data[i:])[-(end - 1):]
+                return len(data), "end"
+            self._in_paste, self._paste_tail = False, b""
+            return i + found - len(tail) + end, "pasted"
+        csi = data.find(b"\x1b[", i)
         key = data.find(self.key, i) if self.key is not None else -1
         if key >= 0 and (csi < 0 or key < csi):
             return key, "key"
@@ -163,7 +180,7 @@ class DetachKey:
     def _sequence(self, seq: bytes, now: float, out: bytearray) -> bool:
         """A whole CSI sequence; True if it follows a press and so detaches."""
         if seq == key_events.PASTE_START:
-            self._in_paste = True
+            self._in_paste, self._paste_tail, self._paste_seen = True, b"", now
             return self._other(seq, out)
         event = key_events.parse(seq)
         if event is None:

@@ -47,6 +47,9 @@ LEAVE = (
     b"\x1b[?9l\x1b[?1000l\x1b[?1001l\x1b[?1002l\x1b[?1003l"  # no mouse reports...
     b"\x1b[?1005l\x1b[?1006l\x1b[?1015l\x1b[?1016l"  # ...in any encoding
     b"\x1b[?1004l\x1b[?2004l"  # no focus reports, no bracketed paste
+    # No reports of a theme change (2031: `CSI ? 997 ; n n`) or of a resize (2048), which
+    # the shell would get as typed; 7-bit controls in what the terminal sends (S7C1T).
+    b"\x1b[?2031l\x1b[?2048l\x1b F"
     b"\x1b[4l\x1b[?7h\x1b(B\x0f"  # replace mode, autowrap, ASCII in G0 and G0 in use
     b"\x1b[0m\x1b[?25h\x1b[0 q"  # plain text; a visible cursor, of the terminal's own shape
     b"\x1b[?2026l"

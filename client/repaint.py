@@ -78,8 +78,8 @@ def repaint(fd: int, wait: float = DEFAULT_WAIT, quiet: float = DEFAULT_QUIET,
     # with a shell starting a job), even one we may not signal ourselves (su, sudo: EPERM).
     unread = _unread(fd)
     other = rows - 1 if rows > 1 else rows + 1
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, _WINSIZE.pack(other, cols, xpixel, ypixel))
-    try:
+    try:  # the shrink inside: an interruption right after it restores the size too
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, _WINSIZE.pack(other, cols, xpixel, ypixel))
         _wait_for_answer(fd, unread, wait, quiet, limit)
     finally:  # interrupted (KeyboardInterrupt) too: never leave the window a row off
         fcntl.ioctl(fd, termios.TIOCSWINSZ, _WINSIZE.pack(rows, cols, xpixel, ypixel))

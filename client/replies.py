@@ -11,7 +11,8 @@ reads what the terminal sends through `Replies`:
   in order and nothing of the program's reaches it before `ASK` does: that answer is
   dropped whenever it comes. (A terminal that never answers `CSI c` sends no such answer
   either, so nothing of anyone else's is taken for it.)
-- Until that answer comes, or for `WAIT` after the replay was written, whichever is first,
+- Until that answer comes, or for `WAIT` after the replay was written and the program made
+  to repaint (no key is read meanwhile), whichever is first,
   every other terminal reply is dropped too: answers to the replay's questions. Keys typed
   meanwhile cannot be told from replies by when they come, only by what they are, so only
   what parses as a reply is dropped (a cursor or status report, device attributes, a mode,
@@ -24,9 +25,11 @@ reads what the terminal sends through `Replies`:
   left in the terminal, it would be typed at the prompt of the shell escrowctl returns to.
 
 What can be lost: keys typed during that first second that are, byte for byte, a terminal
-reply: shift or control with F3 on some keyboards (`CSI 1 ; 2 R`, a cursor report's
-shape); and keys typed while an attach that has ended waits for the answer. What can be
-late: a lone ESC typed in that second, kept until the next read or `WAIT`.
+reply: F3 with any modifier (`CSI 1 ; N R`, a cursor report's shape); Alt with `]`, `P`,
+`_` or `/` (the start of a string reply) and what is typed after it up to what ends such a
+string; and keys typed while an attach that has ended waits for the answer. What can be
+late: a read that ends with what may begin a reply (a lone ESC, Alt with one of those
+keys), kept until the next read or the end of `WAIT`.
 Replies in raw 8-bit form (S8C1T on a terminal not in UTF-8) are not recognised; their
 UTF-8-encoded form (C2 9B for CSI) is.
 """
@@ -36,7 +39,7 @@ from __future__ import annotations
 import re
 
 ASK = b"\x1b[c"  # DA1
-WAIT = 1.0  # seconds, after the replay is written
+WAIT = 1.0  # seconds, after the replay is written and the repaint asked for
 
 _CSI = rb"(?:\x1b\[|\xc2\x9b)"
 _ST = rb"(?:\x1b\\|\xc2\x9c)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from escrow_client.attach import DetachKey
+from escrow_client.detach_key import PASTE_IDLE
 from escrow_client.key_events import CSI, KeyEvent, ctrl_codes, parse
 
 CTRL_BACKSLASH = 0x1C
@@ -140,10 +141,22 @@ def test_nothing_pasted_is_the_detach_key() -> None:
     paste = b"\x1b[200~one\x1ctwo\x1b[92;5uthree\x1b[201~"
     assert k.feed(paste, 10.0) == (paste, False)
     assert k.wait(10.0) is None
-    # A paste split across reads, its end cut off: still a paste until its end.
-    assert k.feed(b"\x1b[200~a\x1c\x1b[20", 11.0) == (b"\x1b[200~a\x1c", False)
-    assert k.feed(b"1~\x1c", 11.01) == (b"\x1b[201~", False)  # then the key, after it
-    assert k.feed(b"", 11.31) == (b"", True)
+    # A paste split across reads, its end cut off: pasted bytes go on at once, and it is a
+    # paste until its end, however long the end takes to come whole.
+    assert k.feed(b"\x1b[200~a\x1c\x1b[20", 11.0) == (b"\x1b[200~a\x1c\x1b[20", False)
+    assert k.wait(11.0) is None
+    assert k.feed(b"1~\x1c", 11.5) == (b"1~", False)  # then the key, after it
+    assert k.feed(b"", 11.81) == (b"", True)
+
+
+def test_a_paste_whose_end_never_comes_ends_all_the_same() -> None:
+    """A paste start typed by hand (or a paste cut short) must not hide the detach key for
+    the rest of the attachment: once nothing has come for PASTE_IDLE, it has ended."""
+    k = DetachKey(CTRL_BACKSLASH)
+    assert k.feed(b"\x1b[200~typed by hand", 10.0) == (b"\x1b[200~typed by hand", False)
+    assert k.feed(b"\x1c", 10.0 + PASTE_IDLE / 2) == (b"\x1c", False)  # still pasted
+    assert k.feed(b"\x1c", 10.0 + PASTE_IDLE * 2) == (b"", False)  # the paste is over
+    assert k.feed(b"", 10.0 + PASTE_IDLE * 2 + 0.31) == (b"", True)
 
 
 def test_a_refused_detach_forgets_the_press() -> None:

@@ -277,3 +277,25 @@ def test_kittys_flags_on_the_alternate_screen_are_popped_from_the_main_one() -> 
     assert terminal.modes()["kitty flags, alternate screen"] == 27
     terminal.feed(LEAVE)
     assert terminal.modes() == fresh
+
+
+def test_ctrl_c_ends_the_wait_for_a_program_that_left_its_terminal(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    """`escrowctl run -- nohup sleep 60` (here: a shell that ignores SIGHUP and moves its
+    output off the terminal, then sleeps): the attachment ends ("the program closed its
+    terminal") and escrowctl waits for the program to exit, which may be never. Ctrl-C must
+    end that wait (exit 130), as it did before the keys that signal were kept quiet around
+    a detach."""
+    local = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "w2", "--",
+                          "sh", "-c", "trap '' HUP; exec </dev/null >/dev/null 2>&1; "
+                          "exec sleep 60"])
+    wait_for(lambda: state(holder, "w2") == "released", TIMEOUT,
+             "the attachment to end with the program's terminal")
+    [program] = psutil.Process(local.pid).children()  # waited for
+    try:
+        os.write(local.master, b"\x03")
+        wait_for(lambda: local.proc.poll() is not None, TIMEOUT, "Ctrl-C to end escrowctl")
+        assert local.proc.returncode == 130, local.read_available()
+    finally:
+        program.kill()

@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     owner, sid = args.session
-    ending = attach.attach(client(args, owner), sid, args.detach_key)
+    ending = attach.attach(client(args, owner), sid, args.detach_key, exiting=True)
     return ended(args, owner, sid, ending)
 
 

@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     sid = args.id or _run_id(command[0])
     label = args.label if args.label is not None else shlex.join(command)[:256]
     try:
-        ending = attach.run(client(args, args.owner), command, sid, label, args.detach_key)
+        ending = attach.run(client(args, args.owner), command, sid, label, args.detach_key,
+                            exiting=True)
     except attach.CannotRun as exc:
         raise Failed(str(exc), exc.status) from None
     return ended(args, args.owner, sid, ending)
