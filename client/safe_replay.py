@@ -86,14 +86,18 @@ _CSI_QUESTIONS = rb"|".join([
     rb"&u|\"v",  # DECRQUPSS, DECRQDE
     rb"(?!0*2[23](?![0-9]))0*[1-9][0-9]*+(?:;[0-9]*+)*+t",  # XTWINOPS but the title stack
 ])
+# A string's question is looked for up to its first sign (a `?` field, `=?`) inside an atomic
+# group, then the rest taken possessively: the rest reaches the same end from any sign, so
+# one that does not end there is given up at once. Without the group each later sign was
+# tried, every try running to the end again: a string of 64 KiB of `;?` took 10 s.
 _OSC_QUESTIONS = rb"|".join([
     rb"1337;Report[ -~]*+",
-    rb"(?:[45]|1[0-9]|22|5[02])(?:;" + _FIELD + rb")*?;\?" + _FIELD + rb"(?:;" + _FIELD
+    rb"(?:[45]|1[0-9]|22|5[02])(?>(?:;" + _FIELD + rb")*?;\?)" + _FIELD + rb"(?:;" + _FIELD
     + rb")*+",
     rb"6[0-2](?:;[ -~]*+)?",
-    rb"21;[ -~]*?=\?[ -~]*+",
-    rb"99;[ -~]*?p=\?[ -~]*+",
-    rb"5522;[ -~]*?type=read[ -~]*+",
+    rb"21;(?>[ -~]*?=\?)[ -~]*+",
+    rb"99;(?>[ -~]*?p=\?)[ -~]*+",
+    rb"5522;(?>[ -~]*?type=read)[ -~]*+",
 ])
 
 
@@ -104,7 +108,7 @@ def _questions(csi: bytes, osc: bytes, dcs: bytes, apc: bytes, decid: bytes) -> 
         csi,
         osc + rb"(?:" + _OSC_QUESTIONS + rb")" + _OSC_END,
         dcs + rb"(?:\$q|\+[qQ])[ -~]*+" + _STRING_END,
-        apc + rb"G(?:[ -+\--:<-~]*+,)*?a=q[ -~]*+" + _STRING_END,
+        apc + rb"G(?>(?:[ -+\--:<-~]*+,)*?a=q)[ -~]*+" + _STRING_END,  # as an OSC's
         decid,
     ])
 
