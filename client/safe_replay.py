@@ -30,6 +30,12 @@ ctlseqs, and the common extensions of kitty and iTerm2):
   feature queries), kitty's OSC 21 `key=?`, OSC 99 `p=?`, OSC 5522 reads and graphics
   queries (`APC G a=q`), iTerm2's `OSC 1337 ; Report...`.
 
+Kept although a terminal may answer it: a kitty graphics command that gives an image id
+(`i=`) and no `q=` (kitty answers `ESC _ G i=31 ; OK ESC \\`). It draws or places the
+image, and taking it out would change the picture. escrowctl attach drops the answer with
+the other replies that come while it waits for its own (client/replies.py); an app that
+writes a replay to its terminal itself gets it in its input, as any reply.
+
 Everything else passes byte for byte, and each question is replaced by an ST (`ESC \\`),
 which does nothing on its own but end whatever the question's own ESC would have ended in
 the middle of a sequence: so the bytes around it mean what they meant (taking `CSI 6 n` out
