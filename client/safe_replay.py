@@ -30,6 +30,12 @@ ctlseqs, and the common extensions of kitty and iTerm2):
   feature queries), kitty's OSC 21 `key=?`, OSC 99 `p=?`, OSC 5522 reads and graphics
   queries (`APC G a=q`), iTerm2's `OSC 1337 ; Report...`.
 
+Kept although a terminal may answer it: a kitty graphics command that gives an image id
+(`i=`) and no `q=` (kitty answers `ESC _ G i=31 ; OK ESC \\`). It draws or places the
+image, and taking it out would change the picture. escrowctl attach drops the answer with
+the other replies that come while it waits for its own (client/replies.py); an app that
+writes a replay to its terminal itself gets it in its input, as any reply.
+
 Everything else passes byte for byte, and each question is replaced by an ST (`ESC \\`),
 which does nothing on its own but end whatever the question's own ESC would have ended in
 the middle of a sequence: so the bytes around it mean what they meant (taking `CSI 6 n` out
@@ -86,14 +92,18 @@ _CSI_QUESTIONS = rb"|".join([
     rb"&u|\"v",  # DECRQUPSS, DECRQDE
     rb"(?!0*2[23](?![0-9]))0*[1-9][0-9]*+(?:;[0-9]*+)*+t",  # XTWINOPS but the title stack
 ])
+# A string's question is looked for up to its first sign (a `?` field, `=?`) inside an atomic
+# group, then the rest taken possessively: the rest reaches the same end from any sign, so
+# one that does not end there is given up at once. Without the group each later sign was
+# tried, every try running to the end again: a string of 64 KiB of `;?` took 10 s.
 _OSC_QUESTIONS = rb"|".join([
     rb"1337;Report[ -~]*+",
-    rb"(?:[45]|1[0-9]|22|5[02])(?:;" + _FIELD + rb")*?;\?" + _FIELD + rb"(?:;" + _FIELD
+    rb"(?:[45]|1[0-9]|22|5[02])(?>(?:;" + _FIELD + rb")*?;\?)" + _FIELD + rb"(?:;" + _FIELD
     + rb")*+",
     rb"6[0-2](?:;[ -~]*+)?",
-    rb"21;[ -~]*?=\?[ -~]*+",
-    rb"99;[ -~]*?p=\?[ -~]*+",
-    rb"5522;[ -~]*?type=read[ -~]*+",
+    rb"21;(?>[ -~]*?=\?)[ -~]*+",
+    rb"99;(?>[ -~]*?p=\?)[ -~]*+",
+    rb"5522;(?>[ -~]*?type=read)[ -~]*+",
 ])
 
 
@@ -104,7 +114,7 @@ def _questions(csi: bytes, osc: bytes, dcs: bytes, apc: bytes, decid: bytes) -> 
         csi,
         osc + rb"(?:" + _OSC_QUESTIONS + rb")" + _OSC_END,
         dcs + rb"(?:\$q|\+[qQ])[ -~]*+" + _STRING_END,
-        apc + rb"G(?:[ -+\--:<-~]*+,)*?a=q[ -~]*+" + _STRING_END,
+        apc + rb"G(?>(?:[ -+\--:<-~]*+,)*?a=q)[ -~]*+" + _STRING_END,  # as an OSC's
         decid,
     ])
 

@@ -23,7 +23,8 @@ REPLIES = [  # what a terminal answers the replay's questions
     b"\x1b]11;rgb:0000/0000/0000\x07", b"\x1b]11;rgb:0000/0000/0000\x1b\\",
     b"\x1b]52;c;aGVsbG8=\x07", b"\x1b]l\xe2\x9c\x93 title\x1b\\", b"\x1bP1$r0m\x1b\\",
     b"\x1bP>|tmux 3.3a\x1b\\", b"\x1bP1+r544e=787465726d\x1b\\", b"\x1bP!|00000000\x1b\\",
-    b"\x1b_Gi=31;OK\x1b\\", b"\xc2\x9b2;1R",
+    b"\x1b_Gi=31;OK\x1b\\", b"\xc2\x9b2;1R", b"\xc2\x9d11;rgb:0000/0000/0000\xc2\x9c",
+    b"\xc2\x901$r0m\xc2\x9c",
 ]
 KEYS = [  # what a user types meanwhile: all of it is for the program
     b"a", b"ls -l", b"\r", b"\x7f", b"\x03", b"\x1c", b"\x1b[A", b"\x1b[1;5D", b"\x1bOP",
