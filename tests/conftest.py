@@ -43,12 +43,14 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
 
 ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
-# Under `nohup scripts/test` SIGHUP is ignored, and an ignored signal stays ignored across
-# exec: every shell the tests start on a terminal would outlive its hangup, and each test
-# that waits for a released terminal's shell to end would fail. A handler that does nothing
-# keeps this process deaf to SIGHUP as asked, while its children start with the default.
-if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
-    signal.signal(signal.SIGHUP, lambda signum, frame: None)
+# Under `nohup scripts/test` SIGHUP is ignored, and in a job a shell started in the
+# background SIGINT and SIGQUIT are; an ignored signal stays ignored across exec: every
+# shell the tests start on a terminal would outlive its hangup, and escrowctl would not
+# take Ctrl-C. A handler that does nothing keeps this process deaf to them as asked, while
+# its children start with the default, as under a terminal.
+for _signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_signum) == signal.SIG_IGN:
+        signal.signal(_signum, lambda signum, frame: None)
 
 
 def require_real(component: str, available: bool, how: str) -> None:

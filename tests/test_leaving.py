@@ -293,9 +293,18 @@ def test_ctrl_c_ends_the_wait_for_a_program_that_left_its_terminal(
     wait_for(lambda: state(holder, "w2") == "released", TIMEOUT,
              "the attachment to end with the program's terminal")
     [program] = psutil.Process(local.pid).children()  # waited for
+    wait_for(lambda: not ignores(local.pid, signal.SIGINT), TIMEOUT,
+             "escrowctl to take Ctrl-C again, as it waits for the program")
     try:
         os.write(local.master, b"\x03")
         wait_for(lambda: local.proc.poll() is not None, TIMEOUT, "Ctrl-C to end escrowctl")
         assert local.proc.returncode == 130, local.read_available()
     finally:
         program.kill()
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether process `pid` ignores `signum` (its SigIgn mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigIgn:")).split()[1]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
