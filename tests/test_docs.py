@@ -28,10 +28,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import test_attach
 from test_attach import OUTER, RUN_OWNER, Screens, detach, state
 
 from conftest import HolderProcess, require_program, wait_for
 from escrow_client import EscrowClient
+
+screens = test_attach.screens  # the fixture: tmux servers, ended at teardown
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "client/c/README.md"]
@@ -331,17 +334,6 @@ def test_the_library_pages_example_autostarts_and_runs_twice(workdir: Path) -> N
 
 
 # --- attach and run, on a screen ---------------------------------------------------------
-
-
-@pytest.fixture
-def screens(holder: HolderProcess) -> Iterator[Screens]:
-    for program in ("tmux", "bash"):
-        require_program(program)
-    s = Screens(holder)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/escrowctl.md"])

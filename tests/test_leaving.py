@@ -21,18 +21,21 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
+import test_attach
 from keys_app import MODES
 from terminal_model import Terminal
 from test_attach import ESCROWCTL, RUN_OWNER, TIMEOUT, Pane, Screens, session, state
 
-from conftest import HolderProcess, PtyChild, require_program, wait_for
+from conftest import HolderProcess, PtyChild, wait_for
 from escrow_client.detach_key import DOUBLE_PRESS
 from escrow_client.leaving import LEAVE
+
+screens = test_attach.screens  # the fixture: tmux servers, ended at teardown
 
 KEYS_APP = str(Path(__file__).with_name("keys_app.py"))
 KEYS = shlex.join([sys.executable, KEYS_APP])
@@ -40,17 +43,6 @@ KEYS = shlex.join([sys.executable, KEYS_APP])
 FLAGS = ("alternate_on", "cursor_flag", "insert_flag", "keypad_cursor_flag", "keypad_flag",
          "mouse_all_flag", "mouse_any_flag", "mouse_button_flag", "mouse_sgr_flag",
          "mouse_standard_flag", "mouse_utf8_flag", "wrap_flag")
-
-
-@pytest.fixture
-def screens(holder: HolderProcess) -> Iterator[Screens]:
-    for program in ("tmux", "bash"):
-        require_program(program)
-    s = Screens(holder)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def observe(pane: Pane, name: str) -> tuple[str, str]:

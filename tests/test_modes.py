@@ -15,12 +15,11 @@ that adopts the ring.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ring import pipe
 
 from escrowd.modes import LONGEST, MODE_NAMES, STACK, Modes, Scanner
 from escrowd.ring import MIN_CAPACITY, Ring, RingBudget
@@ -279,15 +278,6 @@ def test_a_preamble_puts_a_fresh_terminal_in_the_modes_it_was_made_from(data: by
 # --- a real ring ----------------------------------------------------------------------------
 
 
-@contextmanager
-def pipe() -> Iterator[tuple[int, int]]:
-    r, w = os.pipe()
-    try:
-        os.set_blocking(r, False)
-        yield r, w
-    finally:
-        os.close(r)
-        os.close(w)
 
 
 class Stream:
