@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from holder import BenchHolder, wait_for
+from targets import verdict
 
 from escrow_client import EscrowClient, EscrowError
 from escrow_client.fdpass import ANCILLARY_SPACE, rights
@@ -452,7 +453,7 @@ def bench_drain(
 def bench_scale(sessions: int, idle_seconds: float) -> dict[str, Any]:
     raise_fd_limit(3 * sessions + 256)  # our masters and slaves, then the holder's copies
     with running_holder() as holder:
-        rss_base = holder.rss()
+        rss_base, fds_base = holder.rss(), holder.open_fds()
         client = holder.client("bench.scale")
         ptys = {f"s{i}": raw_pty() for i in range(sessions)}
         slaves = {sid: s for sid, (_, s) in ptys.items()}
@@ -483,6 +484,8 @@ def bench_scale(sessions: int, idle_seconds: float) -> dict[str, Any]:
         "replay_held_mb": held / MiB,
         "rss_growth_per_replay": (rss - rss_base) / held,
         "open_fds_1000_sessions": fds,
+        "open_fds_base": fds_base,
+        "open_fds_per_session": (fds - fds_base) / sessions,
         "idle_cpu_percent": idle,
         "idle_seconds": idle_seconds,
         "reclaim_1000_ms": reclaim_ms,
@@ -764,49 +767,57 @@ def table(r: dict[str, Any]) -> str:
         return f"{value:,.{digits}f}"
 
     b = r["drain_baseline"]
-    rows = [
-        ("benchmark", "fd-escrow", "baseline (same run)", "ratio"),
+    # (name, figure, baseline, ratio, the key whose target the last column shows)
+    rows: list[tuple[str, str, str, str, str]] = [
         ("handoff p50", f"{f(r['handoff_p50_ms'], 3)} ms",
-         f"fd round trip {f(r['fd_roundtrip_us'], 1)} µs", f"{f(r['handoff_vs_roundtrip'], 0)}×"),
+         f"fd round trip {f(r['fd_roundtrip_us'], 1)} µs", f"{f(r['handoff_vs_roundtrip'], 0)}×",
+         "handoff_p50_ms"),
         ("handoff p99", f"{f(r['handoff_p99_ms'], 3)} ms",
-         f"fd round trip p99 {f(r['fd_roundtrip_p99_us'], 1)} µs", ""),
+         f"fd round trip p99 {f(r['fd_roundtrip_p99_us'], 1)} µs", "", "handoff_p99_ms"),
         ("reclaim 100 sessions", f"{f(r['reclaim_100_ms'], 1)} ms",
          f"100 fd round trips {f(r['reclaim_100_roundtrips_ms'], 1)} ms",
-         f"{f(r['reclaim_100_ms'] / r['reclaim_100_roundtrips_ms'], 0)}×"),
+         f"{f(r['reclaim_100_ms'] / r['reclaim_100_roundtrips_ms'], 0)}×", "reclaim_100_ms"),
         (f"drain {r['drain_bytes'] // MiB} MiB", f"{f(r['drain_mb_s'], 0)} MB/s",
-         f"plain reader ({b}) {f(r['drain_baseline_mb_s'], 0)} MB/s", f(r["drain_ratio"])),
+         f"plain reader ({b}) {f(r['drain_baseline_mb_s'], 0)} MB/s", f(r["drain_ratio"]),
+         "drain_ratio"),
         ("drain CPU", f"{f(r['drain_cpu_s_per_gib'])} s/GiB",
          f"plain reader ({b}) {f(r['drain_baseline_cpu_s_per_gib'])} s/GiB",
-         f(r["drain_cpu_ratio"])),
+         f(r["drain_cpu_ratio"]), "drain_cpu_ratio"),
     ]
     if "dtach_mb_s" in r:
         rows.append(("dtach (peer)", "", f"{f(r['dtach_mb_s'], 0)} MB/s, "
-                     f"{f(r['dtach_cpu_s_per_gib'])} s/GiB", ""))
+                     f"{f(r['dtach_cpu_s_per_gib'])} s/GiB", "", ""))
     rows += [
         ("RSS, 1000 sessions", f"{f(r['rss_1000_sessions_mb'], 1)} MiB",
          f"base {f(r['rss_base_mb'], 1)} MiB + replay {f(r['replay_held_mb'], 1)} MiB",
-         f"{f(r['rss_growth_per_replay'])}× replay"),
-        ("open fds, 1000 sessions", str(r["open_fds_1000_sessions"]), "", ""),
+         f"{f(r['rss_growth_per_replay'])}× replay", "rss_growth_per_replay"),
+        ("open fds, 1000 sessions", str(r["open_fds_1000_sessions"]),
+         f"{r['open_fds_base']} with none", f"{f(r['open_fds_per_session'])} a session",
+         "open_fds_per_session"),
         (f"idle CPU, 1000 sessions ({r['idle_seconds']:g} s)",
-         f"{f(r['idle_cpu_percent'], 3)} %", "", ""),
+         f"{f(r['idle_cpu_percent'], 3)} %", "", "", "idle_cpu_percent"),
         ("reclaim 1000 sessions", f"{f(r['reclaim_1000_ms'], 0)} ms",
          f"their fds and replays sent raw {f(r['reclaim_1000_floor_ms'], 0)} ms",
-         f"{f(r['reclaim_1000_vs_floor'], 1)}×"),
+         f"{f(r['reclaim_1000_vs_floor'], 1)}×", "reclaim_1000_ms"),
         ("start-up to status", f"{f(r['startup_ms'], 0)} ms",
-         f"python -c pass {f(r['startup_python_ms'], 0)} ms", f"{f(r['startup_vs_python'], 1)}×"),
+         f"python -c pass {f(r['startup_python_ms'], 0)} ms", f"{f(r['startup_vs_python'], 1)}×",
+         "startup_ms"),
         ("restart, 1000 sessions adopted", f"{f(r['restart_1000_ms'], 0)} ms",
          f"cold start of the pair {f(r['cold_start_keeper_ms'], 0)} ms",
-         f"{f(r['restart_vs_cold_start'], 1)}×"),
-        ("restart, no session", f"{f(r['restart_empty_ms'], 0)} ms", "", ""),
+         f"{f(r['restart_vs_cold_start'], 1)}×", "restart_1000_ms"),
+        ("restart, no session", f"{f(r['restart_empty_ms'], 0)} ms", "", "", "restart_empty_ms"),
         ("deposit p50 (fd store)", f"{f(r['deposit_p50_ms'], 3)} ms",
          f"no fd store {f(r['deposit_no_store_p50_ms'], 3)} ms",
-         f"{f(r['deposit_store_vs_none'])}"),
+         f"{f(r['deposit_store_vs_none'])}", "deposit_p50_ms"),
         ("deposit p99 (fd store)", f"{f(r['deposit_p99_ms'], 3)} ms",
-         f"no fd store {f(r['deposit_no_store_p99_ms'], 3)} ms", ""),
+         f"no fd store {f(r['deposit_no_store_p99_ms'], 3)} ms", "", "deposit_p99_ms"),
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    cells = [("benchmark", "fd-escrow", "baseline (same run)", "ratio", "target")]
+    cells += [(name, value, base, ratio, verdict(r, key))
+              for name, value, base, ratio, key in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(5)]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]
+             for row in cells]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     pinned = ("each pair pinned alike, same CPU and split in turn" if r["drain_pinned"]
               else "placed by the scheduler")
