@@ -8,35 +8,18 @@ Exit status: 0 after a clean stop (SIGTERM, SIGINT, or --idle-exit), 1 when it c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import resource
 import signal
-import socket
 import sys
-
-import trio
 
 from escrow_client import paths
 
 from . import __version__, keeper
 from . import log as log_file
 from .config import Config, MiB
-from .fdstore import FDS_PER_SESSION, FdStore
-from .lifecycle import StartupError, claimed, take_lock
+from .lifecycle import StartupError
 from .log import log
-from .pidwatch import wait_exit
-from .server import Holder
-from .service import (
-    ActivationError,
-    Passed,
-    keep_watchdog,
-    keeper_channel,
-    notify,
-    passed_fds,
-    status_line,
-    watchdog_interval,
-)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,109 +108,6 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
     return config
 
 
-async def _run(config: Config, passed: Passed, keeper_pid: int | None,
-               channel: socket.socket | None, explicit_cap: bool) -> None:
-    with claimed(config.socket_path, passed.listener, keeper_pid is not None) as listening:
-        listener = trio.socket.from_stdlib_socket(listening)
-        store = FdStore(os.environ.get("NOTIFY_SOCKET"), channel)
-        config = _fit_store(config, store, explicit_cap)
-        holder = Holder(config, store, keeper_pid)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_signals, holder)
-                if keeper_pid is not None:
-                    nursery.start_soon(_outlive_keeper, holder, keeper_pid)
-                await nursery.start(_serve_then_stop, holder, listener, passed.stored,
-                                    nursery.cancel_scope)
-                log("ready", socket=config.socket_path, pid=os.getpid(), version=__version__,
-                    instance=holder.instance, fd_store=holder.store_kind)
-                ready_status = _status(holder)
-                notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={ready_status}")
-                interval = watchdog_interval()
-                if interval is not None:
-                    log("watchdog", interval=interval)
-                    nursery.start_soon(keep_watchdog, interval, lambda: _status(holder),
-                                       ready_status)
-        finally:
-            store.close()
-
-
-def _fit_store(config: Config, store: FdStore, explicit_cap: bool) -> Config:
-    """The session cap the store can hold ($FDSTORE, as systemd 254 and the keeper say it):
-    past it, sessions would be answered `deposited` and lost at the next restart (systemd
-    drops what does not fit, and says so only in its journal). A cap the user gave
-    (`explicit_cap`) that does not fit is refused at start; the default is lowered to fit,
-    and says so."""
-    room = os.environ.pop("FDSTORE", "")
-    if not store.enabled or not room.isdigit():
-        return config
-    needed = config.max_sessions * FDS_PER_SESSION + 1
-    if needed <= int(room):
-        return config
-    if explicit_cap:
-        raise StartupError(
-            f"the fd store holds {room} fds, and --max-sessions {config.max_sessions} needs "
-            f"{needed} ({FDS_PER_SESSION} a session, and the holder's own): lower "
-            "--max-sessions, or raise FileDescriptorStoreMax= in the unit (escrowctl "
-            "install-service sizes it) or the keeper's fd limit")
-    fits = max(0, (int(room) - 1) // FDS_PER_SESSION)
-    log("limit", max_sessions=fits, reason=f"the fd store holds {room} fds: the default of "
-        f"{config.max_sessions} sessions does not fit")
-    return dataclasses.replace(config, max_sessions=fits)
-
-
-def _status(holder: Holder) -> str:
-    return status_line(holder.config.socket_path, holder.registry.count_by_state())
-
-
-def _stopping(holder: Holder, reason: str) -> None:
-    log("stopping", reason=reason)
-    notify(f"STOPPING=1\nSTATUS=stopping on {reason}; was {_status(holder)}")
-
-
-async def _serve_then_stop(
-    holder: Holder,
-    listener: trio.socket.SocketType,
-    stored: dict[str, list[int]],
-    scope: trio.CancelScope,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    await holder.serve(listener, stored, task_status=task_status)
-    if holder.idle_exited:
-        _stopping(holder, "idle exit")
-    scope.cancel()  # stop watching signals and pinging the watchdog too
-
-
-async def _outlive_keeper(holder: Holder, keeper_pid: int) -> None:
-    """The keeper died (its fds, and every stored session's, with it): serve on alone. The
-    holder takes the lock, so no second escrowd starts on this path, and answers deposits
-    without a store: its sessions live as long as it does."""
-    await wait_exit(keeper_pid, None)
-    holder.store.close()
-    holder.keeper_pid, holder.store_kind = None, "none"
-    try:
-        holder.lock_fd = take_lock(holder.config.socket_path)
-    except StartupError as exc:
-        log("keeper_gone", keeper_pid=keeper_pid, reason=f"serving on without a store; {exc}")
-        return
-    log("keeper_gone", keeper_pid=keeper_pid,
-        reason="serving on alone, without a store: sessions now die with this holder")
-
-
-async def _watch_signals(holder: Holder) -> None:
-    """SIGTERM (or, with no keeper, SIGINT): stop in order (Holder.serve), keeping every
-    stored session for the next holder; whoever keeps the store (systemd, the keeper)
-    decides what is next. Under a keeper SIGINT is the keeper's to judge (Ctrl-C in its
-    terminal reaches both): ignored here."""
-    stop_on = (signal.SIGTERM,) if holder.keeper_pid else (signal.SIGTERM, signal.SIGINT)
-    with trio.open_signal_receiver(*stop_on) as signals:
-        async for signum in signals:
-            if holder.stopping:
-                continue  # stopping in order already: a second signal must not cut it short
-            _stopping(holder, signal.Signals(signum).name)
-            holder.request_stop()
-
-
 def _raise_fd_limit() -> None:
     """Every session costs the holder one fd: take the soft limit up to the hard one (the
     usual soft 1024 would refuse deposits long before --max-sessions)."""
@@ -289,12 +169,21 @@ def main(argv: list[str] | None = None) -> int:
         # on to its jobs when its terminal closes, reach the holder too.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from . import takeover
+
+    waiting = takeover.standby() if keeper_pid is not None else None
+    # Only a holder loads the event loop and its own modules (the keeper above needs neither).
+    from . import serving
+    from .service import ActivationError, keeper_channel, passed_fds
+
     try:
+        if waiting is not None:
+            takeover.stand_by(waiting)  # a keeper's standby waits here until told to serve
         # Before trio.run: the event loop opens fds of its own, and fd 3 must still be the
         # one systemd passed (or nothing) when it is looked at.
         passed = passed_fds(config.socket_path)
         channel = keeper_channel(keeper_pid is not None)
-        trio.run(_run, config, passed, keeper_pid, channel, args.max_sessions is not None)
+        serving.serve(config, passed, keeper_pid, channel, args.max_sessions is not None)
     except (StartupError, paths.PathError, ActivationError) as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
         return 1

@@ -27,7 +27,6 @@ survive its own death (`enabled` is False, and `status` says so).
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import socket
@@ -38,39 +37,28 @@ from escrow_client.platform import SEND_FLAGS
 
 from .log import log
 
+# Named here too, where the store is: the holder's modules import them from here.
+from .names import FDS_PER_SESSION as FDS_PER_SESSION
+from .names import HOLDER_NAME as HOLDER_NAME
+from .names import JOURNAL_PREFIX as JOURNAL_PREFIX
+from .names import NOTIFY_FD_ENV as NOTIFY_FD_ENV
+from .names import SESSION_PREFIX as SESSION_PREFIX
+from .names import STORE_FAILED as STORE_FAILED
+from .names import STORE_ID as STORE_ID
+from .names import STORED as STORED
+from .names import is_store_name as is_store_name
+from .names import journal_name as journal_name
+from .names import rights_for as rights_for
+from .names import session_name as session_name
+
 # How long a store message may wait for room in the manager's queue (and, with the keeper,
 # for its answer) before the deposit is refused: it must not be answered before its fds
 # are safe.
 STORE_DEADLINE = 2.0
-HOLDER_NAME = "holder"
-# The fds a session may have in the store at once: its master, its state file and, while an
-# app journals, the journal (escrow_client.journal).
-FDS_PER_SESSION = 3
-# The keeper's channel and its answers (see the module's docstring).
-NOTIFY_FD_ENV = "ESCROWD_NOTIFY_FD"
-STORE_ID, STORED, STORE_FAILED = "ESCROWD_STORE_ID", "ESCROWD_STORED", "ESCROWD_STORE_FAILED"
 
 
 class StoreError(Exception):
     """The fds could not be handed to the store."""
-
-
-SESSION_PREFIX = "session-"
-JOURNAL_PREFIX = "journal-"
-
-
-def session_name(token: str) -> str:
-    return SESSION_PREFIX + token
-
-
-def journal_name(token: str) -> str:
-    return JOURNAL_PREFIX + token
-
-
-def is_store_name(name: str) -> bool:
-    """A name this holder stores fds under (anything else passed is the listening socket,
-    or not ours)."""
-    return name == HOLDER_NAME or name.startswith((SESSION_PREFIX, JOURNAL_PREFIX))
 
 
 class FdStore:
@@ -249,10 +237,3 @@ class FdStore:
             trio.lowlevel.notify_closing(self.sock)
             self.sock.close()
             self.sock = None
-
-
-def rights_for(fds: list[int]) -> list[tuple[int, int, bytes]]:
-    """SCM_RIGHTS for any number of fds (fdpass.rights carries at most one)."""
-    if not fds:
-        return []
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]

@@ -45,20 +45,21 @@ import select
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import time
 
 from escrow_client import paths
 from escrow_client.fdpass import close_fds
-from escrow_client.interpreter import CHILD_CWD, python_command
+from escrow_client.interpreter import python_command
 
 from .config import Config
-from .fdstore import SESSION_PREFIX
 from .lifecycle import StartupError, bind_socket, remove_leftover_socket, take_lock
 from .log import log
+from .names import SESSION_PREFIX
 from .notify import channel_pair, read_notifications
 from .spawn import fork_holder
+from .standby import Standbys
+from .trial import TrialRun
 
 KEEPER_ENV = "ESCROWD_KEEPER_PID"  # tells the holder who keeps its fds (its parent)
 LISTENER_NAME = "escrowd.socket"  # as systemd names a .socket unit's fd
@@ -128,7 +129,10 @@ class Keeper:
         self.stopping = False
         self.upgrading = False
         self.stop_deadline: float | None = None
-        self.preflight: subprocess.Popen[bytes] | None = None  # an upgrade's trial run
+        self.trial = TrialRun()  # an upgrade's (escrowd.trial)
+        self.standbys = Standbys(self.poller)  # the next holder, loaded (escrowd.standby)
+        self.from_standby = False  # the running holder was a standby
+        self.upgrade_at: float | None = None  # the old holder stops then, or once a standby
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -158,6 +162,7 @@ class Keeper:
             os.close(wake_r)
             os.close(wake_w)
             self._close_channel()
+            self.standbys.drop()
             self._close_store()
         log("keeper_stopped", pid=os.getpid())
         return 0
@@ -168,29 +173,36 @@ class Keeper:
         for fd, _ in self.poller.poll(self._timeout_ms()):
             if fd == wake_r:
                 self._signals(os.read(wake_r, 512))
+            elif fd == self.standbys.fileno():
+                self.standbys.readable()
             else:
                 self._messages()
-        self._preflight_done()
+        self._upgrade_tried()
         self._reap()
         self._check_deadlines()
+        self._keep_standby()
 
     def _timeout_ms(self) -> int:
         now = time.monotonic()
         due = [self.restart_at] if self.holder is None else []
-        if self.preflight is not None:
+        if self.trial.running:
             due.append(now + 0.05)  # an upgrade's trial run: look again soon
         if self.last_ping is not None:
             due.append(self.last_ping + WATCHDOG_SECONDS)
         if self.stop_deadline is not None:
             due.append(self.stop_deadline)
+        if self.upgrade_at is not None:
+            due.append(self.upgrade_at)
+        if self.last_ping is not None and self.standbys.current is None and not self.stopping:
+            due.append(self.standbys.start_at)
         if not due:
             return -1
         return max(0, int((min(due) - now) * 1000) + 1)
 
     def _signals(self, received: bytes) -> None:
         for signum in received:
-            if signum == signal.SIGINT and not self.stopping and self._sessions_stored():
-                n = self._sessions_stored()
+            if signum == signal.SIGINT and not self.stopping and _sessions(self.store):
+                n = _sessions(self.store)
                 log("keeper_interrupt", sessions=n, reason=(
                     f"not stopping: {n} session(s) are escrowed, and their terminals would "
                     f"hang up. To stop anyway: escrowctl stop --force, or kill -TERM "
@@ -199,16 +211,15 @@ class Keeper:
             elif signum in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
                 log("keeper_stopping", reason=signal.Signals(signum).name)
                 self.stopping = True
+                self.standbys.drop()
                 self._stop_holder()
             elif signum == signal.SIGHUP and _terminal_hung_up():
                 # The terminal this escrowd ran in was closed (its shell passes the hangup
                 # on): nothing to upgrade; it serves on, its log in <socket>.log.
                 log("keeper_terminal_gone", reason="serving on")
-            elif signum == signal.SIGHUP and not self.stopping and not self.upgrading:
-                self._upgrade()
-
-    def _sessions_stored(self) -> int:
-        return sum(1 for name in self.store if name.startswith(SESSION_PREFIX))
+            elif signum == signal.SIGHUP and not (self.stopping or self.upgrading
+                                                  or self.upgrade_at is not None):
+                self.trial.start()
 
     # --- the holder --------------------------------------------------------------------------
 
@@ -224,21 +235,36 @@ class Keeper:
                               f"{hard}: raise the hard limit (ulimit -Hn) of the keeper")
             return
         mine, theirs = channel_pair()
-        argv = python_command("escrowd", "--bare", *self.argv)
-        env = dict(os.environ, FDSTORE=str(store_capacity()))
-        env[KEEPER_ENV] = str(os.getpid())
+        fds.append(theirs.fileno())
         try:
-            pid = fork_holder(argv, env, [*fds, theirs.fileno()], names, WATCHDOG_SECONDS, mine)
+            pid = self.standbys.hand_over(fds, names, store_capacity(), WATCHDOG_SECONDS)
+            self.from_standby = pid is not None
+            if pid is None:
+                env = dict(_holder_env(), FDSTORE=str(store_capacity()))
+                pid = fork_holder(python_command("escrowd", "--bare", *self.argv), env,
+                                  fds, names, WATCHDOG_SECONDS, mine)
         except OSError as exc:
             mine.close()
-            theirs.close()
             self._not_started(f"cannot fork: {exc.strerror}")
             return
-        theirs.close()
+        finally:
+            theirs.close()
         self.channel = mine
         self.poller.register(mine, select.POLLIN)
         self.holder, self.holder_started, self.last_ping = pid, time.monotonic(), None
-        log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 1)
+        log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 2,
+            via="standby" if self.from_standby else "exec")
+
+    def _keep_standby(self) -> None:
+        """A standby once the holder serves (not before: it would slow the holder's start);
+        and the old holder of an upgrade stopped once a standby of the new code is loaded."""
+        if self.holder is not None and self.last_ping is not None and not self.stopping:
+            self.standbys.keep(python_command("escrowd", "--bare", *self.argv),
+                               _holder_env())
+        if self.upgrade_at is not None and (self.standbys.ready
+                                            or time.monotonic() >= self.upgrade_at):
+            self.upgrade_at, self.upgrading = None, True
+            self._stop_holder()
 
     def _not_started(self, reason: str) -> None:
         log("keeper_cannot_start_holder", reason=reason, retry_in=round(self.backoff, 3))
@@ -257,33 +283,18 @@ class Keeper:
                 os.kill(self.holder, signal.SIGTERM)
             self.stop_deadline = time.monotonic() + STOP_GRACE
 
-    def _upgrade(self) -> None:
-        """Try the installed code first (`escrowd --check`, run beside the loop, which
-        keeps reading the holder's notifications meanwhile): only if it starts is the
-        holder replaced."""
-        if self.preflight is None:
-            self.preflight = subprocess.Popen(
-                python_command("escrowd", "--check"), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=CHILD_CWD)
-
-    def _preflight_done(self) -> None:
-        check = self.preflight
-        if check is None or check.poll() is None:
+    def _upgrade_tried(self) -> None:
+        if self.trial.passed() is not True:
             return
-        self.preflight = None
-        out, err = check.communicate()
-        if check.returncode != 0:
-            log("upgrade_refused", reason="the installed escrowd does not start: "
-                + err.decode(errors="replace").strip()[-300:])
-            return
-        log("upgrade", version=out.decode(errors="replace").strip())
+        self.standbys.drop(renew=True)  # it runs the code that was installed before
         if self.holder is None:
             self.restart_at = 0.0
             return
-        self.upgrading = True
-        self._stop_holder()
+        # The old holder stops once a standby of the new code (_keep_standby) is loaded.
+        self.upgrade_at = time.monotonic() + STOP_GRACE / 2
 
     def _reap(self) -> None:
+        self.standbys.reap()
         if self.holder is None:
             return
         try:
@@ -302,6 +313,12 @@ class Keeper:
         self.holder, self.last_ping, self.stop_deadline = None, None, None
         log("keeper_holder_exited", code=code, lived=round(lived, 3), stored=len(self.store))
         if self.stopping:
+            return
+        if self.from_standby and not was_ready:
+            # A takeover that did not come to READY: a holder by exec now, and standbys
+            # again once one has served.
+            self.standbys.exec_next = True
+            self.restart_at = time.monotonic()
             return
         if self.upgrading:
             self.upgrading = False
@@ -344,13 +361,24 @@ class Keeper:
         if self.channel is not None:
             read_notifications(self.channel, self.store, self.holder, self._pinged)
 
-    def _pinged(self) -> None:
-        self.last_ping = time.monotonic()
-
     def _close_store(self) -> None:
         for fds in self.store.values():
             close_fds(fds)
         self.store.clear()
+
+    def _pinged(self) -> None:
+        self.last_ping = time.monotonic()
+        if not self.from_standby:
+            self.standbys.exec_next = False
+
+
+def _sessions(store: dict[str, list[int]]) -> int:
+    return sum(1 for name in store if name.startswith(SESSION_PREFIX))
+
+
+def _holder_env() -> dict[str, str]:
+    """A holder's environment (or a standby's), before what is passed with its fds."""
+    return dict(os.environ, **{KEEPER_ENV: str(os.getpid())})
 
 
 def _terminal_hung_up() -> bool:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from escrow_client.fdpass import close_fds
 from escrow_client.platform import PASSCRED, RECV_FLAGS, SEND_FLAGS
 
-from .fdstore import STORE_FAILED, STORE_ID, STORED, is_store_name
 from .log import log
+from .names import STORE_FAILED, STORE_ID, STORED, is_store_name
 
 _MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 

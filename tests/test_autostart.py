@@ -48,6 +48,18 @@ def _holders_on(socket_path: str) -> list[int]:
     return pids
 
 
+def _standbys(keeper: int) -> list[int]:
+    """The keeper's standbys (escrowd.standby): its children started as one."""
+    found = []
+    for child in psutil.Process(keeper).children():
+        try:
+            if "ESCROWD_STANDBY_FD" in _environ(child.pid):
+                found.append(child.pid)
+        except OSError:
+            continue
+    return found
+
+
 def _stays(condition: Callable[[], bool], seconds: float, what: str) -> None:
     """Poll `condition` for `seconds` and fail the moment it is false."""
     until = time.monotonic() + seconds
@@ -155,7 +167,9 @@ def test_autostart_spawns_a_detached_holder(
             env = _environ(process)
             assert env.get("NOTIFY_SOCKET") != "/nonexistent/escrow-test-notify"
             assert env.get("WATCHDOG_PID") != str(os.getpid())
-        assert sorted(_holders_on(auto_socket)) == sorted([keeper, pid])
+        assert "ESCROWD_STANDBY_FD" not in _environ(pid)
+        # The pair, and the standby its keeper starts once the holder serves.
+        assert sorted(_holders_on(auto_socket)) == sorted([keeper, pid, *_standbys(keeper)])
     finally:
         os.close(leak_r)
         os.close(leak_w)
@@ -223,10 +237,11 @@ def test_four_apps_autostarting_at_once_share_one_holder(
     print(f"autostart race: {spawns} holders spawned, one ({winner}) serves")
     assert spawns >= 2, "the apps did not race (only one spawned a holder)"
     # The losers exit on the lock ("another escrowd ... already serves"): one pair is left,
-    # the winning holder and its keeper.
+    # the winning holder and its keeper (and the keeper's standby).
     client = EscrowClient(OWNER, socket_path=auto_socket)
-    pair = sorted([winner, client.status().keeper_pid or 0])
-    wait_for(lambda: sorted(_holders_on(auto_socket)) == pair, 10.0,
+    keeper = client.status().keeper_pid or 0
+    pair = [winner, keeper]
+    wait_for(lambda: sorted(_holders_on(auto_socket)) == sorted(pair + _standbys(keeper)), 10.0,
              f"only the winner left serving (now {_holders_on(auto_socket)})")
     sessions = {s.id: s.state for s in client.list()}
     assert sorted(sessions) == [f"app-{n}" for n in range(4)], sessions
