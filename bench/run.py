@@ -13,7 +13,7 @@
 4. scale: 1,000 draining sessions with 64 KiB of replay each: holder RSS, open fds, CPU over
    idle seconds, and the time to reclaim them all.
 5. start-up: from exec to the socket answering `status`, against `python -c pass`.
-6. restart: `escrowd` as users run it (the keeper and its holder) with 1,000 draining
+6. restart: `escrowd` as users run it (the keeper, its holder and its standby) with 1,000 draining
    sessions of 64 KiB of replay: from the SIGKILL of the serving holder to `status` answering
    from the next one with all 1,000 adopted, against a cold start of the pair to `status`
    and the same SIGKILL with no session.
@@ -53,7 +53,8 @@ import tty
 from pathlib import Path
 from typing import Any
 
-from holder import BenchHolder, wait_for
+import psutil
+from holder import READY_TIMEOUT, BenchHolder, wait_for
 from targets import verdict
 
 from escrow_client import EscrowClient, EscrowError
@@ -590,11 +591,27 @@ def log_times(log_path: str, after: float) -> dict[str, float]:
     return times
 
 
+def ready_standby(pair: BenchHolder, serving: int) -> int:
+    """The pid of the keeper's standby, once one is ready that is not `serving` (the keeper
+    starts one once its holder is ready: escrowd.standby)."""
+    assert pair.log_path is not None
+
+    def ready() -> int | None:
+        with open(pair.log_path or "", errors="replace") as log:
+            pids = [int(line.split("standby_pid=")[1].split()[0]) for line in log
+                    if " event=keeper_standby_ready " in line]
+        return pids[-1] if pids and pids[-1] != serving else None
+
+    return int(wait_for(ready, READY_TIMEOUT, "a ready standby"))
+
+
 def kill_to_status_ms(pair: BenchHolder, expect: int) -> tuple[float, dict[str, float]]:
-    """SIGKILL the serving holder; the time until `status` answers from the next one, which
-    must have adopted `expect` sessions. Also the phases of the restart, from the log."""
+    """SIGKILL the serving holder, once its standby is ready; the time until `status`
+    answers from the next one, which must have adopted `expect` sessions. Also the phases
+    of the restart, from the log."""
     client = EscrowClient("bench.restart.admin", socket_path=pair.socket, timeout=60.0)
     before = client.status()
+    ready_standby(pair, before.pid)
     pid = pair.serving_pid()
     assert pid is not None
     wall = time.time()
@@ -628,6 +645,7 @@ def bench_restart(sessions: int, samples: int) -> dict[str, Any]:
             empty.append(kill_to_status_ms(pair, 0)[0])
     times: list[float] = []
     phases: list[dict[str, float]] = []
+    standby_rss: list[float] = []
     with BenchHolder(keeper=True, name="restart") as pair:
         client = pair.client("bench.restart")
         ptys = {f"s{i}": raw_pty() for i in range(sessions)}
@@ -638,6 +656,8 @@ def bench_restart(sessions: int, samples: int) -> dict[str, Any]:
             for _ in range(samples):
                 # (The keeper restarts a holder that was serving at once: no back-off, unless
                 # restarts pile up as in a crash loop, which a few samples do not.)
+                standby = ready_standby(pair, client.status().pid)
+                standby_rss.append(psutil.Process(standby).memory_info().rss / MiB)
                 elapsed, phase = kill_to_status_ms(pair, sessions)
                 times.append(elapsed)
                 phases.append(phase)
@@ -657,6 +677,8 @@ def bench_restart(sessions: int, samples: int) -> dict[str, Any]:
         # Phases of the median restart, from its SIGKILL: the keeper saw its holder exit and
         # started the next, which was listening, had adopted every session, and was ready.
         "restart_phases_ms": {k: round(v, 1) for k, v in best.items()},
+        # What the keeper's standby (the next holder, loaded and waiting) costs while it waits.
+        "standby_rss_mb": median(standby_rss),
     }
 
 
@@ -806,6 +828,7 @@ def table(r: dict[str, Any]) -> str:
          f"cold start of the pair {f(r['cold_start_keeper_ms'], 0)} ms",
          f"{f(r['restart_vs_cold_start'], 1)}×", "restart_1000_ms"),
         ("restart, no session", f"{f(r['restart_empty_ms'], 0)} ms", "", "", "restart_empty_ms"),
+        ("standby RSS, waiting", f"{f(r['standby_rss_mb'], 1)} MiB", "", "", "standby_rss_mb"),
         ("deposit p50 (fd store)", f"{f(r['deposit_p50_ms'], 3)} ms",
          f"no fd store {f(r['deposit_no_store_p50_ms'], 3)} ms",
          f"{f(r['deposit_store_vs_none'])}", "deposit_p50_ms"),

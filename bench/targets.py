@@ -30,6 +30,7 @@ TARGETS: dict[str, Target] = {
     "startup_ms": ("<=", 250.0, " ms"),
     "cold_start_keeper_ms": ("<=", 250.0, " ms"),
     "restart_1000_ms": ("<=", 150.0, " ms"),
+    "standby_rss_mb": ("<=", 40.0, " MiB"),
 }
 
 

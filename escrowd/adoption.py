@@ -333,7 +333,8 @@ def _one_per_terminal(holder: Adopter, found: list[Found], report: Adoption) -> 
                                 reverse=True)
             kept[terminal] = keep
             dropped.append(drop)
-    result = [each for each in found if any(each is k for k in kept.values())]
+    kept_ids = {id(k) for k in kept.values()}  # (by identity: a Found compares by value)
+    result = [each for each in found if id(each) in kept_ids]
     needed = {f.session.store_name for f in result} | {group for group, _ in report.held_back}
     for drop in dropped:
         gone = drop.session

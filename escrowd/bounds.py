@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import msgspec
 
-from escrow_client import protocol
-from escrow_client.platform import pid_max
+from escrow_client import platform, protocol
 
 from .modes import Modes, Scanner
 from .statefile import BIG_SLOT, HolderRecord, Record
@@ -61,6 +61,19 @@ def record_doubt(record: Record, file_size: int, total: int) -> str | None:
     if record.saved_flags is not None and not 0 <= record.saved_flags < 1 << 31:
         return "its saved file status flags are out of bounds"
     return _layout_doubt(record, file_size, total) or _size_doubt(record)
+
+
+_pid_max: tuple[float, int] = (-1.0, 0)  # (when it was read, what it was)
+
+
+def pid_max() -> int:
+    """The system's pid_max, read at most once a second: an adoption checks thousands of
+    records against it, and each read of /proc was a syscall or three."""
+    global _pid_max
+    now = time.monotonic()
+    if now - _pid_max[0] >= 1.0:
+        _pid_max = (now, platform.pid_max())
+    return _pid_max[1]
 
 
 def believed_child(pid: int | None) -> int | None:

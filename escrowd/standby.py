@@ -47,6 +47,9 @@ from .spawn import fork_standby
 READY, BATCH = b"R", b"F"
 MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 TAKEOVER_DEADLINE = 2.0  # to send a whole takeover; a standby that takes longer is killed
+# A standby starts this long after its holder is ready, so that loading it (a holder's
+# imports: a core for 150 ms and more) does not slow the new holder's first requests.
+START_DELAY = 1.0
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.5, 60.0
 
 
@@ -75,6 +78,7 @@ class Standbys:
         self.start_at = 0.0
         self.backoff = _BACKOFF_FIRST
         self.exec_next = False  # a takeover failed: the next holder is exec'd
+        self.delayed = False  # start_at already counts START_DELAY for the next standby
 
     @property
     def ready(self) -> bool:
@@ -84,8 +88,11 @@ class Standbys:
         """Start a standby of `argv` with `env` (a holder's, less what is passed at
         takeover) if none runs and its back-off is over."""
         now = time.monotonic()
+        if self.current is None and not self.delayed:
+            self.start_at, self.delayed = max(self.start_at, now + START_DELAY), True
         if self.current is not None or now < self.start_at:
             return
+        self.delayed = False
         try:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:
@@ -176,7 +183,8 @@ class Standbys:
         (an upgrade passed its trial run), and no standby started before may serve."""
         if renew:
             self.generation += 1
-            self.start_at, self.backoff = 0.0, _BACKOFF_FIRST
+            # At once: the old holder waits for it to stop (escrowd.keeper).
+            self.start_at, self.backoff, self.delayed = 0.0, _BACKOFF_FIRST, True
         standby, self.current = self.current, None
         if standby is not None:
             if standby.polled:

@@ -104,7 +104,8 @@ def believed_records(files: list[int], token: str | None) -> tuple[
             doubt = f"its state file belongs to {session_name(record.token)}"
         else:
             doubt = record_doubt(record, state.size, state.total)
-            named = named or _name_of(record)
+            # A record believed whole has names that are names; else they are checked alone.
+            named = named or ((record.owner, record.id) if doubt is None else _name_of(record))
         if doubt is not None or record is None:
             why = doubt or why
             state.close()

@@ -53,9 +53,23 @@ def fd_kinds(pid: int) -> list[str]:
     where = f"/proc/{pid}/fd"
     kinds = []
     for name in sorted(os.listdir(where), key=int):
-        with_inode = os.readlink(f"{where}/{name}")
+        try:
+            with_inode = os.readlink(f"{where}/{name}")
+        except FileNotFoundError:
+            continue  # closed meanwhile
         kinds.append(f"{name}:{with_inode.split(':')[0].split(' ')[0]}")
     return kinds
+
+
+def settled_fd_kinds(pid: int) -> list[str]:
+    """`fd_kinds` once two reads in a row agree (a holder just started opens a few)."""
+    last: list[list[str]] = [[]]
+
+    def same() -> list[str] | None:
+        now, last[0] = fd_kinds(pid), fd_kinds(pid)
+        return now if now == last[0] else None
+
+    return list(wait_for(same, 10.0, f"the fds of {pid} to settle"))
 
 
 def drained(holder: HolderProcess, pty_children: Callable[..., PtyChild],
@@ -127,7 +141,7 @@ def test_a_standby_that_dies_taking_over_is_followed_by_an_exec_like_it(
     standby = ready_standby(holder)
     served = kill_serving_holder(holder)
     assert served.pid == standby and served.adopted == 2
-    by_standby = fd_kinds(standby)
+    by_standby = settled_fd_kinds(standby)
 
     stuck = ready_standby(holder, after=1)
     os.kill(stuck, signal.SIGSTOP)
