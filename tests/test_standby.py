@@ -213,3 +213,16 @@ def test_an_upgrade_leaves_a_standby_of_the_new_code(
         new_standby = ready_standby(holder, after=standbys(holder).index(new_standby) + 1)
     after = kill_serving_holder(holder)
     assert (after.pid, after.version) == (new_standby, "0.1.0+new"), (after, holder.logs())
+
+
+def test_the_keeper_loads_no_event_loop() -> None:
+    """`escrowd` is the keeper, a `poll` loop: what it imports to run (the command and the
+    keeper, with its standby and trial run) loads neither trio nor the holder's modules,
+    which only a holder (or a standby) loads."""
+    loaded = subprocess.run(
+        [sys.executable, "-I", "-c", "import sys, escrowd.__main__, escrowd.keeper; "
+         "print(' '.join(sorted(sys.modules)))"],
+        capture_output=True, text=True, check=True, cwd="/").stdout.split()
+    assert "trio" not in loaded
+    assert not {"escrowd.server", "escrowd.serving", "escrowd.adoption",
+                "escrowd.fdstore"} & set(loaded), loaded
