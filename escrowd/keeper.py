@@ -21,7 +21,10 @@ environment says how many fds the store can take, as systemd 254 says it.
 
 It has no event loop library and no session logic, so that it is small enough to trust:
 one `poll` over the holder's channel and a self-pipe for signals. The channel's messages
-and answers are escrowd.notify; the fork and exec of a holder, escrowd.spawn.
+and answers are escrowd.notify; the fork and exec of a holder, escrowd.spawn. Once a holder
+is ready, the keeper keeps the next one loaded and waiting (escrowd.standby), which takes
+over the moment the serving holder is reaped; whatever goes wrong with it, a holder is
+exec'd instead, as before.
 
 Signals: SIGTERM stops the holder, then the keeper, and closes every stored fd (the
 terminals no app holds hang up: this is `escrowctl stop --force`). SIGINT (Ctrl-C in the
