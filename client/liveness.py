@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import psutil
-
-from . import errors, paths, protocol, trust
+from . import deadlines, errors, paths, protocol, trust
 from .channel import MAX_RESPONSE_BYTES
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket, lock_holder_pid, peer_credentials
+
+# psutil is imported by the calls that ask about a process, not with this module: it would
+# be a third of `escrowctl list`'s start, which asks only about a held session's custodian.
 
 # psutil derives start times from boot time plus clock ticks: the same process always gives
 # the same figure, a different one differs by at least a tick.
@@ -31,6 +32,8 @@ _SAME_START = 1e-3
 
 
 def process_start_time(pid: int) -> float | None:
+    import psutil
+
     try:
         return float(psutil.Process(pid).create_time())
     except (psutil.Error, OSError, ValueError, OverflowError):  # OSError: out of fds
@@ -41,6 +44,8 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
     """True if `pid` runs, is not a zombie and (where `start_time` is known) started then."""
     if pid is None or not 0 < pid < 1 << 31:
         return None  # not a pid at all (a record gone wrong): nothing can be told of it
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         status = proc.status()
@@ -58,6 +63,8 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
 
 def process_name(pid: int) -> str | None:
     """The name of process `pid` (`escrowctl`, `python3`...), or None if it cannot be told."""
+    import psutil
+
     try:
         return str(psutil.Process(pid).name()) or None
     except (psutil.Error, OSError):
@@ -66,9 +73,8 @@ def process_name(pid: int) -> str | None:
 
 # --- the holder on a socket path (docs/design.md §7) ----------------------------------------------
 
-# How long `escrowctl status` waits for an answer by default: short, because a monitor runs
-# it all day, and a holder that answers at all answers `status` in milliseconds.
-STATUS_TIMEOUT = 2.0
+# How long `escrowctl status` waits for an answer by default (deadlines.py says why).
+STATUS_TIMEOUT = deadlines.STATUS_TIMEOUT
 
 # The owner `escrowctl status` names itself with in its hello.
 ADMIN_OWNER = "escrowctl"
