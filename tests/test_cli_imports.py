@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 from installation import make_installation
 
+import escrow_client
 from conftest import HolderProcess, PtyChild
+from escrow_client import cli
+from escrow_client.parser import build_parser
 
 VERBS = ("status", "stop", "upgrade", "list", "release", "attach", "run", "install_service",
          "demo")
@@ -94,6 +97,38 @@ def test_version_and_help_import_no_verb(escrowctl: Path, args: list[str]) -> No
     assert result.returncode == (2 if not args else 0), result.stderr
     assert "escrow_client.cli" in names
     assert not loaded(names, EVERY_CALL + CALLS + verbs_but()), result.stderr
+
+
+def test_version_imports_nothing_but_cli(escrowctl: Path) -> None:
+    """`--version` first on the line is answered before argparse is imported."""
+    names, result = imports(escrowctl, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"escrowctl {escrow_client.__version__}\n"
+    ours = sorted(n for n in names if n.startswith("escrow_client"))
+    assert ours == ["escrow_client", "escrow_client.cli"]
+    assert not loaded(names, ("argparse", "gettext", "locale", "shutil"))
+
+
+@pytest.mark.parametrize("args", [
+    ["--version"], ["--version", "status"], ["--version", "--bogus"], ["--version", "-h"],
+    ["--socket", "/nonexistent/s", "--version"], ["--timeout", "2", "--version"], ["--vers"],
+])
+def test_version_anywhere_says_the_same(escrowctl: Path, args: list[str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The answer given before argparse is the parser's own, wherever `--version` is."""
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(args)
+    assert stopped.value.code == 0
+    parsers = capsys.readouterr().out
+    assert parsers == f"escrowctl {escrow_client.__version__}\n"
+    try:
+        status = cli.main(args)
+    except SystemExit as exc:  # the parser's own answer: `--version` was not first
+        status = exc.code
+    assert (status, capsys.readouterr().out) == (0, parsers)
+    result = subprocess.run([str(escrowctl), *args], capture_output=True, text=True,
+                            timeout=60, stdin=subprocess.DEVNULL, cwd="/")
+    assert (result.returncode, result.stdout, result.stderr) == (0, parsers, "")
 
 
 def make_sessions(holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:

@@ -13,7 +13,7 @@ Each verb module has the same two functions (`Verb`):
   look or signal);
 - `run(args) -> int`: the verb, a thin layer over the library, returning its exit status.
 
-Its name and one line of help are `escrow_client.cli.VERBS`'s, so that `escrowctl --help`
+Its name and one line of help are `escrow_client.parser.VERBS`'s, so that `escrowctl --help`
 lists every verb while importing none: a verb's module, and what it needs, is imported only
 when that verb runs (or shows its own `--help`).
 
