@@ -148,9 +148,8 @@ def test_status_imports_only_status(escrowctl: Path, holder: HolderProcess,
     assert result.returncode == 0, result.stderr
     assert "escrowd: running" in result.stdout
     assert "escrow_client.commands.status" in names
-    # psutil, which imports subprocess, says whether the pidfile's process is alive.
-    denied = (tuple(d for d in EVERY_CALL if d != "subprocess") + verbs_but("status")
-              + ("escrow_client.client", "json"))
+    # Whether the pidfile's process is alive is read from /proc, without psutil.
+    denied = EVERY_CALL + verbs_but("status") + ("escrow_client.client", "json", "psutil")
     assert not loaded(names, denied)
 
 
@@ -167,9 +166,21 @@ def test_list_imports_only_list(escrowctl: Path, holder: HolderProcess,
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("com.example.imports/tab-") == 3
     assert "escrow_client.commands.list" in names
-    # psutil only to name the process of a held session's custodian: these drain.
     denied = EVERY_CALL + verbs_but("list") + ("psutil", "json")
     assert not loaded(names, denied)
+
+
+def test_list_of_a_held_session_imports_no_psutil(escrowctl: Path, holder: HolderProcess,
+                                                  pty_children: Callable[..., PtyChild]
+                                                  ) -> None:
+    """A held session's row names its custodian's process, read from /proc."""
+    child = pty_children(["sh", "-c", "exec sleep 60"])
+    with holder.client("com.example.imports").custody() as custody:
+        custody.deposit("held", child.master, child_pid=child.pid, label="sh")
+        names, result = imports(escrowctl, "list", socket=holder.socket)
+    assert result.returncode == 0, result.stderr
+    assert f"held by pid {os.getpid()} (" in result.stdout
+    assert not loaded(names, EVERY_CALL + verbs_but("list") + ("psutil", "json"))
 
 
 def test_a_verbs_help_imports_that_verb(escrowctl: Path) -> None:
