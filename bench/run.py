@@ -24,6 +24,9 @@
    `Custody.read`, with the journal on (each read recorded into the session's ring) against
    the same app with it off, in interleaved pairs: the ratio of the app's CPU seconds
    (`journal_read_overhead`) and of the wall time.
+9. cli: `escrowctl status`, `list` and `--version` as a user's install runs them, exec to
+   exit, against `python -c pass` in interleaved rounds, and `tmux has-session` as a peer
+   (bench/cli_calls.py).
 
 Baselines are C (compiled into a temp dir now) when a compiler is present, else Python.
 Medians over repeats; the drain ratios are medians over interleaved pairs of runs. It
@@ -53,6 +56,7 @@ import tty
 from pathlib import Path
 from typing import Any
 
+import cli_calls
 import psutil
 from holder import READY_TIMEOUT, BenchHolder, wait_for
 from targets import verdict
@@ -835,6 +839,8 @@ def table(r: dict[str, Any]) -> str:
         ("deposit p99 (fd store)", f"{f(r['deposit_p99_ms'], 3)} ms",
          f"no fd store {f(r['deposit_no_store_p99_ms'], 3)} ms", "", "deposit_p99_ms"),
     ]
+    if "cli_status_ms" in r:
+        rows += cli_calls.rows(r)
     cells = [("benchmark", "fd-escrow", "baseline (same run)", "ratio", "target")]
     cells += [(name, value, base, ratio, verdict(r, key))
               for name, value, base, ratio, key in rows]
@@ -857,7 +863,7 @@ def main() -> None:
                         help="drain: let the scheduler place reader and writer (noisier)")
     parser.add_argument("--only", default="", metavar="NAMES",
                         help="only these, comma-separated (handoff, reclaim, drain, scale, "
-                        "startup, restart, deposit, journal); prints JSON")
+                        "startup, restart, deposit, journal, cli); prints JSON")
     parser.add_argument("--drain-output", metavar="FILE",
                         help="drain, journal: the child writes FILE's bytes over and over")
     args = parser.parse_args()
@@ -891,6 +897,8 @@ def main() -> None:
         if wanted("journal"):
             result.update(bench_journal(baselines, (64 if quick else 256) * MiB,
                                         3 if quick else 7))
+        if wanted("cli"):
+            result.update(cli_calls.bench_cli(7 if quick else cli_calls.RUNS))
     result["quick"] = quick
     if args.json or only is not None:
         print(json.dumps(result))

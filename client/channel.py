@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Protocol
 
-from . import autostart, breaker, errors, paths, protocol, trust
+from . import breaker, errors, paths, protocol, trust
 from .fdpass import FrameReader, close_fds, recv_frame, send_frame
 from .platform import harden_socket
 
@@ -264,6 +264,8 @@ def connect(
     except errors.HolderUnavailable:
         if autostart_idle_exit is None:
             raise
+    from . import autostart  # only when none answers: it needs subprocess
+
     autostart.spawn_holder(socket_path, autostart_idle_exit)
     while True:  # wait, within the deadline, for whichever holder wins the lock
         try:

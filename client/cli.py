@@ -3,12 +3,17 @@ attach a terminal to a session, or run a command in a new one.
 
 Each verb is a module of `escrow_client.commands`, a thin layer over the library
 (`EscrowClient`, `liveness.holder_verdict`, `control`, `service_files`, `demo`); nothing
-here speaks the protocol itself. This module assembles the command line from the verbs'
-own parsers and holds the exit-status policy:
+here speaks the protocol itself. The command line is `parser`'s, which imports only the
+verb it names; this module holds the exit-status policy. People type `escrowctl status`
+and scripts call it in loops, and every module imported is time before the answer: a
+command line that starts with `--version` is answered before anything else, argparse
+included, is imported (the parser answers it anywhere else on the line, in the same
+words); bench/cli_calls.py measures it, tests/test_cli_imports.py pins it.
+
+Exit status:
 
 - 0 on success; 2 for bad arguments (argparse, before anything is sent);
-- 1 for an `EscrowError`, printed as `escrowctl: <message> (<code>)`, or for a service file
-  that cannot carry a path (`ServiceFileError`);
+- 1 for an `EscrowError`, printed as `escrowctl: <message> (<code>)`;
 - a verb's own refusal (`commands.Failed`): `escrowctl: <message>`, and the status it names.
   `status` and `stop` have codes of their own (`STATUS_EXIT_CODES`, `STOP_*`), listed in
   their `--help`; `run` exits with its program's status;
@@ -17,37 +22,27 @@ own parsers and holds the exit-status policy:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Sequence
 
-from . import __version__, errors, paths, service_files
-from .client import DEFAULT_TIMEOUT
-from .commands import (
-    Failed,
-    Verb,
-    attach,
-    demo,
-    install_service,
-    release,
-    run,
-    status,
-    stop,
-    upgrade,
-)
-from .commands import list as list_
-from .commands.arguments import positive
-from .commands.status import STATUS_EXIT_CODES
-from .commands.stop import (
-    STOP_CANNOT_TELL,
-    STOP_NOT_PERMITTED,
-    STOP_NOT_RUNNING,
-    STOP_REFUSED,
-    STOP_STILL_RUNNING,
-    STOP_STOPPED,
-)
-from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict
+from . import __version__
+
+TYPE_CHECKING = False  # mypy takes any TYPE_CHECKING as true
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+
+    from .commands.status import STATUS_EXIT_CODES
+    from .commands.stop import (
+        STOP_CANNOT_TELL,
+        STOP_NOT_PERMITTED,
+        STOP_NOT_RUNNING,
+        STOP_REFUSED,
+        STOP_STILL_RUNNING,
+        STOP_STOPPED,
+    )
+    from .liveness import Verdict, holder_verdict
+    from .parser import VERBS, build_parser
 
 __all__ = [
     "STATUS_EXIT_CODES",
@@ -57,46 +52,44 @@ __all__ = [
     "STOP_REFUSED",
     "STOP_STILL_RUNNING",
     "STOP_STOPPED",
+    "VERBS",
     "Verdict",
     "build_parser",
     "holder_verdict",
     "main",
 ]
 
-# In the order `escrowctl --help` lists them.
-VERBS: tuple[Verb, ...] = (status, stop, upgrade, list_, release, attach, run,
-                           install_service, demo)
+# The names this module gave before the parser and the verbs were imported lazily, from
+# where they live.
+_MOVED = {
+    "STATUS_EXIT_CODES": "commands.status", "STOP_CANNOT_TELL": "commands.stop",
+    "STOP_NOT_PERMITTED": "commands.stop", "STOP_NOT_RUNNING": "commands.stop",
+    "STOP_REFUSED": "commands.stop", "STOP_STILL_RUNNING": "commands.stop",
+    "STOP_STOPPED": "commands.stop", "Verdict": "liveness", "holder_verdict": "liveness",
+    "VERBS": "parser", "build_parser": "parser",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="escrowctl",
-        description="Look at escrowd, the holder that keeps terminal sessions alive while "
-        "their app restarts, and at the sessions it holds.",
-    )
-    parser.add_argument("--version", action="version", version=f"escrowctl {__version__}")
-    parser.add_argument(
-        "--socket", metavar="PATH",
-        help=f"the holder's socket (default: ${paths.SOCKET_ENV}, else "
-        "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else /tmp/escrowd-<uid>/escrowd.sock; "
-        f"here and now: {paths.default_socket_path()})",
-    )
-    parser.add_argument(
-        "--timeout", type=positive, default=None, metavar="SECONDS",
-        help=f"deadline for each call to the holder (default {DEFAULT_TIMEOUT:g}; for "
-        f"`status` and `stop`, {STATUS_TIMEOUT:g})",
-    )
-    parser.add_argument("--json", dest="top_json", action="store_true",
-                        help="JSON output, for the commands that have it (status, list); "
-                        "the same as --json after the command")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for verb in VERBS:
-        verb.add_parser(subparsers)
-    return parser
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["--version"]:
+        # What argparse would do with it, first on the line: print, exit 0, whatever
+        # follows (its action runs before anything after it is looked at).
+        print(f"escrowctl {__version__}")
+        return 0
+    from . import errors
+    from .deadlines import DEFAULT_TIMEOUT
+    from .parser import build_parser
+
+    args = build_parser().parse_args(words)
     # One deadline per call: `--timeout` after the subcommand, else before it, else the
     # subcommand's own default (short for status and stop, which only look or signal).
     args.timeout = (getattr(args, "sub_timeout", None) or args.timeout
@@ -106,9 +99,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except errors.EscrowError as exc:
         print(f"escrowctl: {exc} ({exc.code})", file=sys.stderr)
-        return 1
-    except service_files.ServiceFileError as exc:
-        print(f"escrowctl: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # `escrowctl status | head -1`: the reader has what it wanted.
@@ -121,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """The verb's exit status, its refusal said on stderr (inside main's handlers, so that
     a reader gone or a Ctrl-C while it is said count as they do anywhere else)."""
+    from .commands import Failed
+
     try:
         result: int = args.func(args)
         return result

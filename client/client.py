@@ -15,15 +15,19 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import TYPE_CHECKING, Any
 
 from . import breaker, errors, protocol
 from .channel import Channel, Deadline, connect
-from .custody import Custody
+from .deadlines import DEFAULT_CUSTODY_GRACE, DEFAULT_RECLAIM_DEADLINE, DEFAULT_TIMEOUT
 from .paths import resolve_socket_path
-from .reclaim import DEFAULT_CUSTODY_GRACE, DEFAULT_RECLAIM_DEADLINE, ReclaimReport, reclaim
-from .resolve import resolve
-from .retrieve import retrieve_many_on
-from .retrieved import Retrieved
+
+# What a call needs beyond the connection is imported by that call: `escrowctl list` and
+# `status` make an `EscrowClient`, and must not pay for custody, retrieve and reclaim.
+if TYPE_CHECKING:
+    from .custody import Custody
+    from .reclaim import ReclaimReport
+    from .retrieved import Retrieved
 
 __all__ = [
     "DEFAULT_CUSTODY_GRACE",
@@ -34,8 +38,18 @@ __all__ = [
     "Retrieved",
 ]
 
-DEFAULT_TIMEOUT = 5.0
 _RETRY_PAUSE = 0.05  # between tries at a holder that is restarting
+_ELSEWHERE = {"ReclaimReport": "reclaim", "Retrieved": "retrieved"}
+
+
+def __getattr__(name: str) -> Any:
+    """`ReclaimReport` and `Retrieved`, which this module has always exported, from their
+    own modules when asked for."""
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_ELSEWHERE[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EscrowClient:
@@ -81,6 +95,8 @@ class EscrowClient:
         """A custody connection: sessions deposited through it stay `held` (the app is the
         reader) until it closes, by `close()`, the end of a `with` block, or the process
         dying. Then the holder starts draining them."""
+        from .custody import Custody
+
         return Custody(self, self._connect(Deadline(self.timeout)))
 
     def hand_off(
@@ -138,11 +154,15 @@ class EscrowClient:
         journal: bool = False,
     ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
         """`retrieve.retrieve_many_on`, with this client's timeout and connections."""
+        from .retrieve import retrieve_many_on
+
         return retrieve_many_on(channel, ids, deadline, keep, journal, timeout=self.timeout,
                                 connect=self._connect)
 
     def _resolve(self, result: Retrieved) -> Retrieved:
         """`resolve.resolve`: ask on a fresh connection who owns a handoff never confirmed."""
+        from .resolve import resolve
+
         return resolve(result, self._connect, self.timeout)
 
     def reclaim_all(
@@ -164,6 +184,8 @@ class EscrowClient:
         If the holder cannot even list the sessions (nothing listening, or no answer), that
         error is raised: there is nothing to name in `failed`.
         """
+        from .reclaim import reclaim
+
         until = Deadline(deadline)
         channel = self._connect(Deadline(min(self.timeout, until.remaining())))
         try:

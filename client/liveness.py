@@ -18,22 +18,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import psutil
-
-from . import errors, paths, protocol, trust
+from . import deadlines, errors, paths, platform, protocol, trust
 from .channel import MAX_RESPONSE_BYTES
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket, lock_holder_pid, peer_credentials
 
-# psutil derives start times from boot time plus clock ticks: the same process always gives
-# the same figure, a different one differs by at least a tick.
+# platform.py reads a Linux process from /proc itself: psutil would be a quarter of
+# `escrowctl status`'s start. psutil's start times are boot time plus clock ticks: the same
+# process always gives the same figure, a different one differs by at least a tick.
 _SAME_START = 1e-3
+# What a process that cannot be told gives (OSError: out of fds, /proc hidden or absent).
+_CANNOT_TELL = (OSError, ValueError, OverflowError)
 
 
 def process_start_time(pid: int) -> float | None:
     try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.Error, OSError, ValueError, OverflowError):  # OSError: out of fds
+        return platform.process_state(pid)[1]
+    except (platform.NoSuchProcess, *_CANNOT_TELL):
         return None
 
 
@@ -42,14 +43,12 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
     if pid is None or not 0 < pid < 1 << 31:
         return None  # not a pid at all (a record gone wrong): nothing can be told of it
     try:
-        proc = psutil.Process(pid)
-        status = proc.status()
-        created = proc.create_time()
-    except psutil.NoSuchProcess:  # ZombieProcess is one: a zombie is proof of death too
+        zombie, created = platform.process_state(pid)
+    except platform.NoSuchProcess:
         return False
-    except (psutil.Error, OSError, ValueError, OverflowError):  # OSError: out of fds
+    except _CANNOT_TELL:
         return None
-    if status == psutil.STATUS_ZOMBIE:
+    if zombie:
         return False
     if start_time is None:
         return None
@@ -59,16 +58,15 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
 def process_name(pid: int) -> str | None:
     """The name of process `pid` (`escrowctl`, `python3`...), or None if it cannot be told."""
     try:
-        return str(psutil.Process(pid).name()) or None
-    except (psutil.Error, OSError):
+        return platform.process_name(pid) or None
+    except (platform.NoSuchProcess, *_CANNOT_TELL):
         return None
 
 
 # --- the holder on a socket path (docs/design.md §7) ----------------------------------------------
 
-# How long `escrowctl status` waits for an answer by default: short, because a monitor runs
-# it all day, and a holder that answers at all answers `status` in milliseconds.
-STATUS_TIMEOUT = 2.0
+# How long `escrowctl status` waits for an answer by default (deadlines.py says why).
+STATUS_TIMEOUT = deadlines.STATUS_TIMEOUT
 
 # The owner `escrowctl status` names itself with in its hello.
 ADMIN_OWNER = "escrowctl"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 
 SOCKET_ENV = "ESCROW_SOCKET"
 # sockaddr_un.sun_path is 108 bytes on Linux and 104 on macOS, including the trailing NUL.
@@ -82,10 +81,27 @@ def check_socket_path(path: str) -> None:
         )
 
 
-@dataclass(frozen=True)
 class PidRecord:
-    pid: int
-    start_time: float
+    """What a pidfile says: a value, equal to another with the same fields. (Not a
+    dataclass: `escrowctl` reads this module at every start, and `dataclasses` imports
+    `inspect`, a few milliseconds of it.)"""
+
+    __slots__ = ("pid", "start_time")
+
+    def __init__(self, pid: int, start_time: float) -> None:
+        self.pid = pid
+        self.start_time = start_time
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PidRecord):
+            return NotImplemented
+        return (self.pid, self.start_time) == (other.pid, other.start_time)
+
+    def __hash__(self) -> int:
+        return hash((self.pid, self.start_time))
+
+    def __repr__(self) -> str:
+        return f"PidRecord(pid={self.pid!r}, start_time={self.start_time!r})"
 
 
 def write_pidfile(socket_path: str, pid: int, start_time: float) -> None:

@@ -27,14 +27,12 @@ from dataclasses import dataclass, field
 
 from . import errors, protocol
 from .channel import Channel, Connect, Deadline
+from .deadlines import DEFAULT_CUSTODY_GRACE, DEFAULT_RECLAIM_DEADLINE
 from .liveness import process_alive
 from .retrieve import RetrieveMany, check_invariant
 from .retrieved import Retrieved
 
-DEFAULT_RECLAIM_DEADLINE = 8.0
-# How long reclaim_all retries custody_held before it believes another live instance holds
-# the session (an old instance that is exiting lets go within this).
-DEFAULT_CUSTODY_GRACE = 1.0
+__all__ = ["DEFAULT_CUSTODY_GRACE", "DEFAULT_RECLAIM_DEADLINE", "ReclaimReport", "reclaim"]
 
 
 @dataclass

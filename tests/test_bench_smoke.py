@@ -19,6 +19,8 @@ KEYS = [
     "rss_base_mb", "rss_1000_sessions_mb", "rss_growth_per_replay", "idle_cpu_percent",
     "startup_ms", "restart_1000_ms", "restart_empty_ms", "cold_start_keeper_ms",
     "deposit_p50_ms", "deposit_no_store_p50_ms",
+    "cli_status_ms", "cli_list_ms", "cli_version_ms", "cli_python_ms", "cli_status_vs_python",
+    "cli_list_vs_python", "cli_version_vs_python",
 ]
 MAY_BE_ZERO = {"idle_cpu_percent"}
 

@@ -11,8 +11,14 @@ import argparse
 import os
 import re
 
-from .. import attach, liveness, protocol
-from ..client import EscrowClient
+from .. import liveness, protocol
+from ..deadlines import STATUS_TIMEOUT
+
+# `attach` (the terminal, its keys, its signals) is imported by the verbs that attach, and
+# `client` by those that call the holder: `status` takes its options from here too.
+TYPE_CHECKING = False  # mypy takes any TYPE_CHECKING as true
+if TYPE_CHECKING:
+    from ..client import EscrowClient
 
 # The owner escrowctl names itself with when it only looks (status, list of every owner),
 # and the owner of what `run` starts unless told otherwise.
@@ -23,6 +29,8 @@ _NAME_RE = re.compile(protocol.NAME_PATTERN)
 
 def client(args: argparse.Namespace, owner: str) -> EscrowClient:
     """A client of the holder on `--socket`, speaking for `owner`."""
+    from ..client import EscrowClient
+
     return EscrowClient(owner, socket_path=args.socket, timeout=args.timeout,
                         client_name=f"escrowctl pid={os.getpid()}")
 
@@ -63,6 +71,8 @@ def session_ref(text: str) -> tuple[str, str]:
 
 
 def detach_key(text: str) -> int | None:
+    from .. import attach
+
     try:
         return attach.parse_key(text)
     except ValueError as exc:
@@ -75,6 +85,8 @@ def add_session_ref(p: argparse.ArgumentParser) -> None:
 
 
 def add_detach_key(p: argparse.ArgumentParser) -> None:
+    from .. import attach
+
     p.add_argument("--detach-key", type=detach_key, metavar="KEY",
                    default=attach.parse_key(attach.DEFAULT_DETACH_KEY),
                    help=f"the key that detaches (default {attach.DEFAULT_DETACH_KEY}, that is "
@@ -85,4 +97,4 @@ def add_detach_key(p: argparse.ArgumentParser) -> None:
 def add_sub_timeout(p: argparse.ArgumentParser, what: str) -> None:
     """`--timeout` after the subcommand too (`escrowctl status --timeout 1`)."""
     p.add_argument("--timeout", dest="sub_timeout", type=positive, default=None,
-                   metavar="SECONDS", help=f"{what} (default {liveness.STATUS_TIMEOUT:g})")
+                   metavar="SECONDS", help=f"{what} (default {STATUS_TIMEOUT:g})")

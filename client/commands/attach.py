@@ -11,12 +11,13 @@ import shlex
 import sys
 
 from .. import attach
+from . import describe
 from .arguments import add_detach_key, add_session_ref, client
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "attach", help="attach this terminal to an escrowed session",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         description="Take a session into custody and attach this terminal to it: the "
         "screen is reset, the session's replay written and its program made to redraw; "
         "then what you type goes to the program and what it prints comes here, without "

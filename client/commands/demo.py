@@ -20,12 +20,13 @@ from typing import Any
 from .. import demo as halves
 from .. import errors, paths
 from ..client import EscrowClient
+from . import describe
 from .text import ALIVE, size
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "demo", help="watch a shell survive its app's restart",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         description="Run a shell printing a counter under a throwaway app, hand it to the "
         "holder, end the app, and take the shell back from a fresh process.",
     )

@@ -12,11 +12,12 @@ import shlex
 import sys
 
 from .. import errors, service_files
+from . import Failed, describe
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "install-service", help="write the systemd units or the LaunchAgent for this escrowd",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         description="Write the service files that start escrowd at login and restart it if "
         "it crashes: systemd user units (escrowd.socket, escrowd.service) in "
         "~/.config/systemd/user on Linux, or a LaunchAgent in ~/Library/LaunchAgents on "
@@ -40,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
     if any(a == "--socket" or a.startswith("--socket=") for a in extra):
         raise errors.EscrowConfigError("give the socket as `escrowctl --socket PATH "
                                        "install-service`, not among escrowd's arguments")
-    plan = service_files.install_plan(args.kind, args.escrowd, args.socket, extra)
+    try:
+        plan = service_files.install_plan(args.kind, args.escrowd, args.socket, extra)
+    except service_files.ServiceFileError as exc:  # a path a unit file cannot carry
+        raise Failed(str(exc)) from None
     for path, text in plan.files.items():
         if args.print:
             print(f"# {path}\n{text}")

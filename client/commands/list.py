@@ -16,8 +16,7 @@ from .arguments import admin, client
 from .text import ALIVE, duration, print_json, size
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("list", help="list escrowed sessions (every owner's by default)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--owner", metavar="OWNER", help="only this owner's sessions")
     p.add_argument("--json", action="store_true", help="print a JSON list of sessions")
     p.set_defaults(func=run)

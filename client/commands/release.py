@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from . import describe
 from .arguments import add_session_ref, client
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "release", help="make the holder drop its copy of a session",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         description="Make the holder close its copy of a session's terminal (as when the user "
         "closes the tab). If no app holds the terminal either, its programs get SIGHUP.",
     )

@@ -11,14 +11,14 @@ import shlex
 import uuid
 
 from .. import attach
-from . import Failed
+from . import Failed, describe
 from .arguments import ADMIN_OWNER, add_detach_key, client, name
 from .attach import ended
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "run", help="run a command in a new escrowed session, attached to this terminal",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         description="Start COMMAND (default: $SHELL) in a new terminal the size of this one, "
         "escrow it, and attach this terminal to it (see `escrowctl attach`). Detach with "
         "the detach key: the program runs on, the holder drains its output, and `escrowctl "

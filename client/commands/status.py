@@ -16,6 +16,7 @@ import msgspec
 from .. import liveness, paths
 from ..liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from ..protocol import HolderStatus
+from . import describe
 from .arguments import add_sub_timeout
 from .text import duration, print_json, size
 
@@ -51,9 +52,9 @@ _EPILOG = (
 )
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "status", help="is a holder running?",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Say whether a holder runs on the socket, from positive proof only, and "
         "summarise it.\nRead-only: it deletes nothing, creates nothing, and takes no lock "

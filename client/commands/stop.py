@@ -14,7 +14,7 @@ import argparse
 
 from .. import control, paths
 from ..liveness import STATUS_TIMEOUT, holder_verdict
-from . import Failed
+from . import Failed, describe
 from .arguments import add_sub_timeout, positive
 
 STOP_STOPPED = 0  # the holder was signalled and has exited
@@ -39,9 +39,9 @@ exit status:
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "stop", help="stop the holder (refuses while it holds sessions)",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Send SIGTERM to the holder and wait for it to exit. It refuses while "
         "sessions are\nescrowed (held, draining, handing_off or exited) and lists them: "

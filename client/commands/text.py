@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 # A process's liveness (True, False, or None: cannot tell) in a table cell.
 ALIVE = {True: "yes", False: "no", None: "?"}
 
@@ -31,4 +29,6 @@ def duration(seconds: float) -> str:
 
 
 def print_json(value: object) -> None:
+    import json  # only --json needs it
+
     print(json.dumps(value, indent=2, sort_keys=False))

@@ -12,16 +12,16 @@ import argparse
 
 from .. import control, paths
 from ..liveness import STATUS_TIMEOUT, holder_verdict
-from . import Failed
+from . import Failed, describe
 from .arguments import add_sub_timeout, admin, positive
 
 DEFAULT_UPGRADE_WAIT = 30.0  # the new code is tried, the old holder winds up, the new adopts
 UPGRADE_NO_NEW_HOLDER = 5  # asked for, but no new holder answered within --wait seconds
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "upgrade", help="replace the holder with the installed code, keeping every session",
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    describe(
+        p,
         description="Replace the running holder with the code installed now, every session "
         "intact: its keeper (or systemd) keeps their fds while the old holder finishes the "
         "handoffs under way and stops, and the new one adopts them. A holder run with "
