@@ -5,13 +5,17 @@
 1. handoff: `retrieve` of a session with 64 KiB of replay from a client process (hello,
    retrieve, handoff with the fd, ack, done): p50 and p99, against a raw fd round trip over a
    socketpair between two processes.
-2. reclaim: 100 draining sessions (64 KiB of replay each) taken back by one `reclaim_all`.
+2. reclaim: 100 draining sessions (64 KiB of replay each) taken back by one `reclaim_all`
+   (replays by reference, where the platform can).
 3. drain: a child writing 256 MiB (64 MiB with --quick) as fast as it can into a pty that the
    holder drains: MB/s and the holder's CPU seconds per GiB, against the same child with a
    plain blocking reader (and dtach, if it is installed). Each pair of runs pins reader and
    writer alike (same CPU, then split, in turn) unless --no-pin.
 4. scale: 1,000 draining sessions with 64 KiB of replay each: holder RSS, open fds, CPU over
-   idle seconds, and the time to reclaim them all.
+   idle seconds, and the time to reclaim them all: by reference, with the holder's CPU
+   over it per session, then again on the copy path (each replay in its frame, as a client
+   that does not ask gets), beside the floor each stands on (their fds and replays sent
+   raw over a socketpair between two processes; the fds alone, two a session, no bytes).
 5. start-up: from exec to the socket answering `status`, against `python -c pass`.
 6. restart: `escrowd` as users run it (the keeper, its holder and its standby) with 1,000 draining
    sessions of 64 KiB of replay: from the SIGKILL of the serving holder to `status` answering
@@ -62,6 +66,7 @@ from holder import READY_TIMEOUT, BenchHolder, wait_for
 from targets import verdict
 
 from escrow_client import EscrowClient, EscrowError
+from escrow_client import retrieve as escrow_retrieve
 from escrow_client.fdpass import ANCILLARY_SPACE, rights
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -257,6 +262,18 @@ def bench_handoff(baselines: str | None, rounds: int) -> dict[str, Any]:
 
 
 # --- 2. reclaim at launch -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def copy_path(on: bool = True) -> Any:
+    """Within it, this process's client asks for no replay by reference: each replay comes
+    in its frame, as it does to a client that does not ask (the C client, macOS)."""
+    saved = escrow_retrieve.REPLAY_FILES
+    escrow_retrieve.REPLAY_FILES = saved and not on
+    try:
+        yield
+    finally:
+        escrow_retrieve.REPLAY_FILES = saved
 
 
 def reclaim_times_ms(sessions: int, repeats: int, replay: int) -> list[float]:
@@ -462,9 +479,9 @@ def bench_scale(sessions: int, idle_seconds: float) -> dict[str, Any]:
         client = holder.client("bench.scale")
         ptys = {f"s{i}": raw_pty() for i in range(sessions)}
         slaves = {sid: s for sid, (_, s) in ptys.items()}
-        retrieved: list[int] = []
+        masters = {sid: m for sid, (m, _) in ptys.items()}
         try:
-            deposit_all(client, {sid: m for sid, (m, _) in ptys.items()})
+            deposit_all(client, masters)
             fill(client, slaves, b"z" * SCALE_REPLAY)
             time.sleep(0.5)  # let the last wake-ups settle before measuring idle
             rss = holder.rss()
@@ -472,17 +489,18 @@ def bench_scale(sessions: int, idle_seconds: float) -> dict[str, Any]:
             cpu0 = cpu_ns(holder.pid)
             time.sleep(idle_seconds)
             idle = (cpu_ns(holder.pid) - cpu0) / 1e9 / idle_seconds * 100
-            start = time.perf_counter()
-            report = client.reclaim_all(deadline=120.0)
-            reclaim_ms = (time.perf_counter() - start) * 1e3
-            retrieved = [got.fd for got in report.retrieved.values()]
-            if report.failed or len(retrieved) != sessions:
-                raise RuntimeError(f"reclaim of {sessions} failed: {len(report.failed)} failed")
+            reclaim_ms, holder_ns, masters = reclaim_timed(client, holder.pid, sessions)
+            # The same again on the copy path, from the same holder.
+            deposit_all(client, masters)
+            fill(client, slaves, b"z" * SCALE_REPLAY)
+            with copy_path():
+                copy_ms, copy_ns, masters = reclaim_timed(client, holder.pid, sessions)
         finally:
-            for fd in [*retrieved, *slaves.values()]:
+            for fd in [*masters.values(), *slaves.values()]:
                 os.close(fd)
     held = sessions * SCALE_REPLAY
     floor = reclaim_floor_ms(sessions, SCALE_REPLAY, 5)
+    fds_floor = reclaim_floor_ms(sessions, 0, 5, fds_each=2)
     return {
         "rss_base_mb": rss_base / MiB,
         "rss_1000_sessions_mb": rss / MiB,
@@ -494,15 +512,38 @@ def bench_scale(sessions: int, idle_seconds: float) -> dict[str, Any]:
         "idle_cpu_percent": idle,
         "idle_seconds": idle_seconds,
         "reclaim_1000_ms": reclaim_ms,
+        "reclaim_holder_us_per_session": holder_ns / 1e3 / sessions,
+        "reclaim_1000_fds_floor_ms": fds_floor,
+        "reclaim_1000_vs_fds_floor": reclaim_ms / fds_floor,
+        "reclaim_1000_copy_ms": copy_ms,
+        "reclaim_copy_holder_us_per_session": copy_ns / 1e3 / sessions,
         "reclaim_1000_floor_ms": floor,
-        "reclaim_1000_vs_floor": reclaim_ms / floor,
+        "reclaim_1000_copy_vs_floor": copy_ms / floor,
     }
 
 
-def reclaim_floor_ms(sessions: int, replay: int, repeats: int) -> float:
+def reclaim_timed(client: EscrowClient, holder_pid: int, sessions: int
+                  ) -> tuple[float, int, dict[str, int]]:
+    """One `reclaim_all` of every session: its ms, the holder's CPU ns over it, and the
+    masters it took back."""
+    cpu0 = cpu_ns(holder_pid)
+    start = time.perf_counter()
+    report = client.reclaim_all(deadline=120.0)
+    ms = (time.perf_counter() - start) * 1e3
+    holder_ns = cpu_ns(holder_pid) - cpu0
+    masters = {sid: got.fd for sid, got in report.retrieved.items()}
+    if report.failed or len(masters) != sessions:
+        for fd in masters.values():
+            os.close(fd)
+        raise RuntimeError(f"reclaim of {sessions} failed: {len(report.failed)} failed")
+    return ms, holder_ns, masters
+
+
+def reclaim_floor_ms(sessions: int, replay: int, repeats: int, fds_each: int = 1) -> float:
     """The floor under reclaiming `sessions`, each with `replay` bytes: as many pty masters
-    and bytes sent by one process and received, and kept, by another over a Unix socket,
-    with nothing else done (no protocol, no state, no drains to stop). Median ms."""
+    (`fds_each` of them a session: 2, a master and a replay file's fd) and bytes sent by
+    one process and received, and kept, by another over a Unix socket, with nothing else
+    done (no protocol, no state, no drains to stop). Median ms."""
     ptys = [os.openpty() for _ in range(sessions)]
     payload = b"z" * replay
     times = []
@@ -514,9 +555,9 @@ def reclaim_floor_ms(sessions: int, replay: int, repeats: int) -> float:
                 try:
                     receiver.close()
                     sender.recv(1)  # go
-                    for master, _ in ptys:
+                    for master, slave in ptys:
                         sender.sendmsg([len(payload).to_bytes(4, "big"), payload],
-                                       rights(master))
+                                       rights([master, slave][:fds_each]))
                 finally:
                     os._exit(0)
             sender.close()
@@ -823,8 +864,14 @@ def table(r: dict[str, Any]) -> str:
         (f"idle CPU, 1000 sessions ({r['idle_seconds']:g} s)",
          f"{f(r['idle_cpu_percent'], 3)} %", "", "", "idle_cpu_percent"),
         ("reclaim 1000 sessions", f"{f(r['reclaim_1000_ms'], 0)} ms",
+         f"their fds alone, 2 a session {f(r['reclaim_1000_fds_floor_ms'], 0)} ms",
+         f"{f(r['reclaim_1000_vs_fds_floor'], 1)}×", "reclaim_1000_ms"),
+        ("  holder CPU a session", f"{f(r['reclaim_holder_us_per_session'], 0)} µs",
+         f"copy path {f(r['reclaim_copy_holder_us_per_session'], 0)} µs", "",
+         "reclaim_holder_us_per_session"),
+        ("  on the copy path", f"{f(r['reclaim_1000_copy_ms'], 0)} ms",
          f"their fds and replays sent raw {f(r['reclaim_1000_floor_ms'], 0)} ms",
-         f"{f(r['reclaim_1000_vs_floor'], 1)}×", "reclaim_1000_ms"),
+         f"{f(r['reclaim_1000_copy_vs_floor'], 1)}×", "reclaim_1000_copy_ms"),
         ("start-up to status", f"{f(r['startup_ms'], 0)} ms",
          f"python -c pass {f(r['startup_python_ms'], 0)} ms", f"{f(r['startup_vs_python'], 1)}×",
          "startup_ms"),

@@ -113,7 +113,7 @@ class Attachment:
         self._size = (0, 0)  # the session's, as last set
         self._replies = Replies(None)  # what the local terminal answers, kept from the program
 
-    def run(self, replay: bytes | None = None) -> Ending:
+    def run(self, replay: bytes | memoryview | None = None) -> Ending:
         """Attach until one of the endings, and see to the session as it says (custody
         ended, or the session released). With `replay` (a retrieved session), the local
         terminal is reset, the replay written and the program made to redraw first.

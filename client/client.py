@@ -151,13 +151,13 @@ class EscrowClient:
 
     def _retrieve_many_on(
         self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
-        journal: bool = False,
+        journal: bool = False, replay_file: bool = False,
     ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
         """`retrieve.retrieve_many_on`, with this client's timeout and connections."""
         from .retrieve import retrieve_many_on
 
-        return retrieve_many_on(channel, ids, deadline, keep, journal, timeout=self.timeout,
-                                connect=self._connect)
+        return retrieve_many_on(channel, ids, deadline, keep, journal, replay_file,
+                                timeout=self.timeout, connect=self._connect)
 
     def _resolve(self, result: Retrieved) -> Retrieved:
         """`resolve.resolve`: ask on a fresh connection who owns a handoff never confirmed."""

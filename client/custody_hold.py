@@ -56,7 +56,7 @@ class CustodyClient(Protocol):
     def _connect(self, deadline: Deadline, use_breaker: bool = True) -> Channel: ...
     def _retrieve_many_on(
         self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
-        journal: bool = False,
+        journal: bool = False, replay_file: bool = False,
     ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]: ...
 
 

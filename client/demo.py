@@ -61,7 +61,7 @@ class Lines:
     def __init__(self) -> None:
         self.partial = b""
 
-    def feed(self, data: bytes) -> list[str]:
+    def feed(self, data: bytes | memoryview) -> list[str]:
         *complete, self.partial = (self.partial + data).split(b"\n")
         return [line.rstrip(b"\r").decode("utf-8", "replace") for line in complete]
 

@@ -312,3 +312,60 @@ def _ask_psutil(pid: int, question: Callable[[psutil.Process], _T]) -> _T:
         raise NoSuchProcess(pid) from None
     except psutil.Error as exc:
         raise OSError(errno.EPERM, str(exc)) from None
+
+# Replays by reference (escrowd.replay_file, escrow_client.replay_map): a sealed memfd on
+# Linux. macOS has no memfd, nor seals: there a replay travels in the frame, as it does to a
+# client that does not ask.
+REPLAY_FILES: bool = IS_LINUX and hasattr(os, "memfd_create")
+_F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1+: no new writable mapping (older kernels: EINVAL)
+# What makes a file's bytes fixed for as long as anyone maps it: no write, no growing, no
+# shrinking (a mapping of a shrunk file faults with SIGBUS), and no unsealing.
+REPLAY_SEALS: int = (getattr(fcntl, "F_SEAL_WRITE", 0) | getattr(fcntl, "F_SEAL_SHRINK", 0)
+                     | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0))
+_IOV_MAX = 1024
+
+
+def sealed_file(name: str, parts: list[memoryview | bytes]) -> int:
+    """A new memory file holding `parts` one after another, sealed (REPLAY_SEALS) and open
+    read-only: an fd through which nobody can change a byte of it, nor map it writable.
+    Linux only (REPLAY_FILES)."""
+    if sys.platform != "linux":
+        raise OSError(errno.ENOSYS, "no memfd on this platform")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        views = [memoryview(part) for part in parts if len(part)]
+        while views:
+            written = os.writev(fd, views[:_IOV_MAX])
+            while views and written >= len(views[0]):
+                written -= len(views.pop(0))
+            if written:
+                views[0] = views[0][written:]
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REPLAY_SEALS | _F_SEAL_FUTURE_WRITE)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REPLAY_SEALS)  # a kernel before 5.1
+        try:
+            # A description of its own, read-only: write, ftruncate and fallocate on it
+            # fail for want of write access, whatever the seals.
+            readonly = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return fd  # no /proc: the seals alone keep it unchanged
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return readonly
+
+
+def is_sealed(fd: int) -> bool:
+    """`fd` is a file whose bytes and size are fixed for good (REPLAY_SEALS), as a replay
+    file must be before its mapping is believed."""
+    if sys.platform != "linux":
+        return False
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False  # not a sealable file at all
+    return seals & REPLAY_SEALS == REPLAY_SEALS

@@ -9,7 +9,8 @@ a ``type`` field naming the message. Unknown fields are ignored (so new fields c
 with defaults); an unknown ``type`` is an error. Exactly two messages carry an fd as
 SCM_RIGHTS data on the first byte of their frame: ``deposit`` and ``handoff`` carry a PTY
 master; ``deposited`` and ``handoff`` also carry the session's journal file when they
-answer a request for a journal (`fds_carried` says how many a message must have).
+answer a request for a journal, and ``handoff`` its replay file when it answers a request
+for replays by reference (`fds_carried` says how many a message must have).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class Retrieve(Message, tag="retrieve"):
     id: Name
     keep: bool = False
     journal: bool = False
+    # The client reads a replay from a file the holder sends (`Handoff.replay_file`) rather
+    # than from the frame: asked only of a holder whose `features` has "replay_file".
+    replay_file: bool = False
 
 
 # How many sessions one retrieve_many may name.
@@ -123,6 +127,7 @@ class RetrieveMany(Message, tag="retrieve_many"):
     ids: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
     keep: bool = False
     journal: bool = False
+    replay_file: bool = False
 
 
 class Update(Message, tag="update"):
@@ -194,7 +199,8 @@ class SessionInfo(msgspec.Struct, kw_only=True):
 
 # What this holder does beyond the first version-1 holders: a client checks before it
 # relies on one (an older holder ignores `keep`, and would hand the session off for good).
-FEATURES = ("keep", "retrieve_many", "journal", "update", "journal_reading", "modes")
+FEATURES = ("keep", "retrieve_many", "journal", "update", "journal_reading", "modes",
+            "replay_file")
 
 
 class Welcome(Message, tag="welcome"):
@@ -216,6 +222,14 @@ class Journal(msgspec.Struct, kw_only=True):
     capacity: int
     total: int
     position: int
+
+
+class ReplayFile(msgspec.Struct, kw_only=True):
+    """Where a handoff's replay is in its replay file (PROTOCOL.md section 12.8): `length`
+    bytes from byte `offset`. The file is sealed: nobody can write, grow or shrink it."""
+
+    offset: int
+    length: int
 
 
 class Deposited(Message, tag="deposited"):
@@ -254,6 +268,9 @@ class Handoff(Message, tag="handoff"):
     # are no longer in it: names, in its order (PROTOCOL.md section 12.2).
     restored_modes: list[str] = []
     replay_preamble: int = 0
+    # Only to a retrieve that asked for `replay_file`: `replay` is empty, and the replay is
+    # in the file that is the last fd, where this says. Nil: the replay is `replay`.
+    replay_file: ReplayFile | None = None
 
 
 class Done(Message, tag="done"):
@@ -314,9 +331,11 @@ FD_CARRIERS: tuple[type[Message], ...] = (Deposit, Handoff)
 
 def fds_carried(message: Message) -> int:
     """How many fds `message` must come with: the PTY master of a deposit or handoff,
-    and the state file of a granted journal."""
+    the journal file of a granted journal, and a handoff's replay file."""
     count = 1 if isinstance(message, FD_CARRIERS) else 0
     if isinstance(message, Deposited | Handoff) and message.journal is not None:
+        count += 1
+    if isinstance(message, Handoff) and message.replay_file is not None:
         count += 1
     return count
 

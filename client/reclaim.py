@@ -97,7 +97,8 @@ def reclaim(
                 size = (protocol.MAX_BATCH if "retrieve_many" in w.features else 1)
                 for start in range(0, len(pending), size):
                     batch = pending[start : start + size]
-                    more, less = retrieve_many(channel, batch, call, keep, journal)
+                    more, less = retrieve_many(channel, batch, call, keep, journal,
+                                               replay_file=True)
                     got.update(more)
                     failed.update(less)
             except errors.EscrowError as exc:

@@ -27,6 +27,8 @@ from typing import Protocol
 from . import errors, protocol
 from .channel import Channel, Connect, Deadline
 from .fdpass import close_fds
+from .platform import REPLAY_FILES
+from .replay_map import ReplayMaps
 from .resolve import resolve, resolve_kept
 from .retrieved import Retrieved
 
@@ -36,7 +38,7 @@ class RetrieveMany(Protocol):
 
     def __call__(
         self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
-        journal: bool = False,
+        journal: bool = False, replay_file: bool = False,
     ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]: ...
 
 
@@ -56,7 +58,7 @@ def check_invariant(
 
 def retrieve_many_on(
     channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
-    journal: bool = False, *, timeout: float, connect: Connect,
+    journal: bool = False, replay_file: bool = False, *, timeout: float, connect: Connect,
 ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
     """Retrieve `ids` over `channel` in one request (docs/design.md §4, §12): every handoff
     comes first, then every ack goes out, then every `done` comes back. Returns what
@@ -66,6 +68,9 @@ def retrieve_many_on(
     A `done` that does not come is resolved on a fresh connection (`resolve`); with
     `keep`, a session is ours only if the holder has it held for this process (a
     custody that reconnects resumes it), else our copy is closed and it stays escrowed.
+    With `replay_file`, where this platform and the holder can, each replay is read in
+    place from the sealed file the holder sends (escrow_client.replay_map): a read-only
+    memoryview instead of bytes.
     Raises (after closing every fd it received) only for what spoils the whole call."""
     check_invariant(channel.welcome, timeout)
     w = channel.welcome
@@ -75,9 +80,12 @@ def retrieve_many_on(
             f"{w.drain_stop_budget + w.send_deadline:.3g}s)", ids[0],
         )
     wanted = set(ids)
+    by_file = replay_file and REPLAY_FILES and "replay_file" in w.features
     request: protocol.Message = (
-        protocol.Retrieve(id=ids[0], keep=keep, journal=journal) if len(ids) == 1
-        else protocol.RetrieveMany(ids=ids, keep=keep, journal=journal))
+        protocol.Retrieve(id=ids[0], keep=keep, journal=journal, replay_file=by_file)
+        if len(ids) == 1 else
+        protocol.RetrieveMany(ids=ids, keep=keep, journal=journal, replay_file=by_file))
+    maps = ReplayMaps()
     got: dict[str, Retrieved] = {}
     failed: dict[str, errors.EscrowError] = {}
     acked: list[Retrieved] = []
@@ -97,6 +105,18 @@ def retrieve_many_on(
                 raise errors.ProtocolViolation(
                     f"expected handoff, got {type(reply).__name__}")
             sid = reply.session.id
+            replay: bytes | memoryview = reply.replay
+            if reply.replay_file is not None:
+                try:
+                    if not by_file or reply.replay:
+                        raise errors.ProtocolViolation(
+                            f"the holder sent {sid}'s replay in a file unasked, or twice")
+                    replay = maps.take(fds.pop(), reply.replay_file)  # (closes that fd)
+                except errors.ProtocolViolation:
+                    close_fds(fds)
+                    if not keep:
+                        channel.close()
+                    raise
             if sid not in wanted or sid in got or sid in failed or not os.isatty(fds[0]):
                 # Do not ack: the holder keeps its copies and drains them again when we
                 # hang up.
@@ -106,10 +126,10 @@ def retrieve_many_on(
                 raise errors.ProtocolViolation(
                     f"the holder handed off {sid} unasked, twice, or as a non-terminal")
             got[sid] = Retrieved(
-                fds[0], reply.session, reply.replay, reply.dropped_bytes, reply.handoff_id,
+                fds[0], reply.session, replay, reply.dropped_bytes, reply.handoff_id,
                 confirmed=False, replay_trimmed=reply.replay_trimmed,
                 replay_journaled=reply.replay_journaled, journal=reply.journal,
-                journal_fd=fds[1] if len(fds) > 1 else None,
+                journal_fd=fds[1] if reply.journal is not None else None,
                 restored_modes=tuple(reply.restored_modes),
                 replay_preamble=reply.replay_preamble)
         # One ack for all (the holder's answers never pile up unread meanwhile).

@@ -30,11 +30,18 @@ class Retrieved:
     that `replay` sets first, in a preamble of its first `replay_preamble` bytes, because
     the bytes the program set them with are no longer in it: written after a reset, the
     replay leaves the emulator in the modes the program is in.
+
+    `replay` is bytes, or, from `reclaim_all` on Linux from a holder that sends replays by
+    reference, a read-only memoryview of the sealed file it came in
+    (escrow_client.replay_map): no copy is made; `os.write` and the other calls that take
+    bytes-like objects take it as it is, and `bytes(got.replay)` copies it (at memcpy
+    speed). Its bytes never change. The mapping is let go with the last replay of it (and
+    holds one fd of its own until then: Python's mmap keeps one).
     """
 
     fd: int
     session: protocol.SessionInfo
-    replay: bytes
+    replay: bytes | memoryview
     dropped_bytes: int
     handoff_id: str
     confirmed: bool

@@ -15,7 +15,9 @@ the whole of it:
    `handoff` per session with its fd attached, each inside `send_deadline`. A replay whose
    ring wrapped starts at a clean boundary (`replay_trimmed`), then with a preamble that
    puts the terminal in the modes in force there, set by bytes the ring no longer holds
-   (`restored_modes`: escrowd.ring_modes).
+   (`restored_modes`: escrowd.ring_modes). To a client that asked for `replay_file`, a
+   chunk's replays go in one sealed file sent with each of its handoffs instead
+   (escrowd.replay_file); each session is recorded handing_off only as its own fd leaves.
    A `retrieve_many` goes through steps 1 to 3 a chunk of sessions at a time, so that the
    app takes in the first handoffs while the holder stops the next drains.
 4. Keep the holder's copies, unread, until the app's `ack` for each arrives (inside the ack
@@ -49,6 +51,7 @@ from .config import Config
 from .connection import Connection, SendTimeout
 from .log import batched, log
 from .registry import Registry
+from .replay_file import ChunkReplays, segments
 from .session import Session
 from .trim import clean_start
 
@@ -85,7 +88,7 @@ async def retrieve(
     not acked is put back before the cancellation propagates.
     """
     ids = [request.id] if isinstance(request, protocol.Retrieve) else request.ids
-    keep, with_journal = request.keep, request.journal
+    keep, with_journal, by_file = request.keep, request.journal, request.replay_file
     if with_journal and not keep:
         await conn.send_error("bad_request", "journal needs keep: a journal is written only "
                               "by the custodian")
@@ -122,15 +125,30 @@ async def retrieve(
             ready, stuck = await _claim_and_stop(
                 conn, chunk, claims, keep, registry, nursery,
                 max(stop_by, trio.current_time() + min(_MIN_STOP, config.drain_stop_budget)))
-            # Step 3: send the fds.
-            for claim in ready:
-                message, fds = _handoff(claim, with_journal)
-                layouts[claim.session.id] = message.journal
-                try:
-                    await conn.send(message, fd=fds[0] if len(fds) == 1 else fds)
-                except OSError as exc:
-                    why = f"handoff send failed: {_why(exc)}"
-                    return False  # the peer may hold half a frame: the stream is out of step
+            # Step 3: send the fds (and, to a client that asked, the chunk's replays in one
+            # sealed file: escrowd.replay_file).
+            replays = ChunkReplays() if by_file else None
+            try:
+                cut = [_replay(claim.session, replays) for claim in ready]
+                file_fd = replays.seal() if replays is not None else None
+                for claim, replay in zip(ready, cut, strict=True):
+                    message, fds = _handoff(claim, with_journal, replay)
+                    layouts[claim.session.id] = message.journal
+                    if message.replay_file is not None:
+                        if file_fd is None:
+                            assert replays is not None
+                            message.replay = replays.inline(message.replay_file)
+                            message.replay_file = None
+                        else:
+                            fds.append(file_fd)
+                    try:
+                        await conn.send(message, fd=fds[0] if len(fds) == 1 else fds)
+                    except OSError as exc:
+                        why = f"handoff send failed: {_why(exc)}"
+                        return False  # the peer may hold half a frame: out of step
+            finally:
+                if replays is not None:
+                    replays.close()
 
         # Step 4: wait for the acks.
         pending = {claim.session.id: claim for claim in claims}
@@ -273,7 +291,40 @@ def _claim(conn: Connection, sid: str, registry: Registry, nursery: trio.Nursery
     return session, None
 
 
-def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[int]]:
+@dataclass
+class _Replay:
+    """A handoff's replay, cut (escrowd.trim) and with its modes' preamble: its bytes, or
+    where they are in the chunk's replay file."""
+
+    data: bytes
+    where: protocol.ReplayFile | None
+    trimmed: int
+    preamble: int
+    restored: list[str]
+    start: int  # the number of its first byte of the session's own (`ring.total` counts)
+
+
+def _replay(session: Session, replays: ChunkReplays | None) -> _Replay:
+    """The replay a claimed session's handoff carries. With `replays`, it goes there, as
+    views of the ring: the caller seals them into a file before anything awaits."""
+    ring = session.ring
+    parts: list[memoryview | bytes] = list(segments(ring))
+    trimmed, head = 0, b""
+    if ring.dropped_since_delivery:
+        # Only a ring that lost its oldest bytes can start inside a line, a sequence or a
+        # character; a replay that starts where the app stopped reading does not.
+        whole = b"".join(parts)
+        trimmed = clean_start(whole)
+        parts, head = [memoryview(whole)[trimmed:]], whole[:trimmed]
+    preamble, restored = ring.modes.replay_start(head).preamble()
+    parts.insert(0, preamble)
+    where = replays.add(parts) if replays is not None else None
+    return _Replay(b"" if where is not None else b"".join(parts), where, trimmed,
+                   len(preamble), restored, ring.total - ring.size + trimmed)
+
+
+def _handoff(claim: _Claim, with_journal: bool, replay: _Replay
+             ) -> tuple[protocol.Handoff, list[int]]:
     """The `handoff` message for a claimed session, and the fds it carries. Takes the fd
     out of the event loop."""
     session, ring = claim.session, claim.session.ring
@@ -282,15 +333,9 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
     session.leave_event_loop()
     info = session.info()
     info.state = claim.prior  # type: ignore[assignment]
-    replay = ring.contents()
-    # Only a ring that lost its oldest bytes can start inside a line, a sequence or a
-    # character; a replay that starts where the app stopped reading does not.
-    trimmed = clean_start(replay) if ring.dropped_since_delivery else 0
-    preamble, restored = ring.modes.replay_start(replay[:trimmed]).preamble()
-    replay_from = ring.total - len(replay) + trimmed
-    if trimmed or preamble:
-        replay = preamble + replay[trimmed:]
-        shift = len(preamble) - trimmed
+    trimmed = replay.trimmed
+    if trimmed or replay.preamble:
+        shift = replay.preamble - trimmed
         info.replay_gaps = [at + shift for at in info.replay_gaps if at >= trimmed]
         info.replay_gap_at = info.replay_gaps[-1] if info.replay_gaps else None
     granted = journal.grant(session) if with_journal else None
@@ -298,13 +343,14 @@ def _handoff(claim: _Claim, with_journal: bool) -> tuple[protocol.Handoff, list[
     message = protocol.Handoff(
         handoff_id=session.handoff_id or "",
         session=info,
-        replay=replay,
+        replay=replay.data,
+        replay_file=replay.where,
         dropped_bytes=ring.dropped_since_delivery,
         replay_trimmed=trimmed,
-        replay_journaled=journal.journaled(session, replay_from),
+        replay_journaled=journal.journaled(session, replay.start),
         journal=layout,
-        restored_modes=restored,
-        replay_preamble=len(preamble),
+        restored_modes=replay.restored,
+        replay_preamble=replay.preamble,
     )
     fds = [session.fd] if granted is None else [session.fd, granted[1]]
     return message, fds

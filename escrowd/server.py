@@ -25,6 +25,7 @@ import trio
 
 from escrow_client import protocol
 from escrow_client.fdpass import TruncatedFds
+from escrow_client.platform import REPLAY_FILES
 
 from . import __version__, handoff, housekeeping, requests
 from .adoption import Adoption, adopt
@@ -307,7 +308,8 @@ async def _handshake(holder: Holder, conn: Connection) -> bool:
             send_deadline=c.send_deadline,
             ack_deadline=c.ack_deadline,
             limits=c.limits(),
-            features=list(protocol.FEATURES),
+            # (No replays by reference where there is no memfd: escrowd.replay_file.)
+            features=[f for f in protocol.FEATURES if REPLAY_FILES or f != "replay_file"],
         )
     )
     return True

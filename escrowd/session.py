@@ -121,6 +121,7 @@ class Session:
         # handing_off, but its fd not sent yet: the state recorded meanwhile (see persist).
         self.unsent: str | None = None
         self.reader = Reader(self, saved_flags)  # the drain's reading side (escrowd.drain)
+        self._left_loop = False  # trio forgot the fd (a handoff), and no drain came since
         self.watch_scope: trio.CancelScope | None = None  # an adopted custodian's watch
         self.adopted_handoff = False  # handing_off, begun by a holder that has stopped
         # Deposited, its fds not yet confirmed stored: not listed (nothing may take it for
@@ -202,6 +203,7 @@ class Session:
     def info(self, liveness: bool = True) -> SessionInfo:
         """What `list` says about it. Without `liveness`, `child_alive` is None (for a
         tombstone, which asks afresh each time it is listed)."""
+        gaps = self.replay_gaps
         return SessionInfo(
             owner=self.owner, id=self.id, label=self.label,
             state=self.state,  # type: ignore[arg-type]
@@ -212,7 +214,7 @@ class Session:
             buffered_bytes=self.ring.size, dropped_bytes=self.ring.dropped,
             custodian_pid=self.custodian_pid if self.state == "held" else None,
             handoff_id=self.handoff_id, cols=self.cols, rows=self.rows, meta=self.meta,
-            replay_gap_at=self.replay_gap_at, replay_gaps=self.replay_gaps,
+            replay_gap_at=gaps[-1] if gaps else None, replay_gaps=gaps,
         )
 
     # --- draining (the reading itself: escrowd.drain) -----------------------------------
@@ -223,6 +225,7 @@ class Session:
         if self.journal_from is not None:
             journal.end(self)  # the app recorded until now; from here on, we read
         scope, done = self.reader.begin()
+        self._left_loop = False
         self.set_state("draining", reason)
         nursery.start_soon(self._drain, scope, done)
 
@@ -268,6 +271,7 @@ class Session:
         """Before the fd goes to another process: restore the app's flags and tell trio to
         forget it (a cancelled wait stays registered in epoll until notify_closing)."""
         self.reader.leave_event_loop()
+        self._left_loop = True
 
     def close(self) -> None:
         """Close the holder's copy of the master. The drain must be stopped first."""
@@ -276,7 +280,8 @@ class Session:
             self.watch_scope.cancel()
         journal.close_journal(self)
         if self.fd >= 0:
-            trio.lowlevel.notify_closing(self.fd)
+            if not self._left_loop:  # (else trio has forgotten it already: a syscall saved)
+                trio.lowlevel.notify_closing(self.fd)
             fd, self.fd = self.fd, -1
             os.close(fd)
         self.ring.release()

@@ -875,9 +875,11 @@ def encode_args(message: dict[str, Any]) -> list[str]:
                 str(message["cols"]), str(message["rows"]), _flag(message["journal"]),
                 *_pairs(message["meta"])]
     if kind == "retrieve":
-        return [kind, message["id"], _flag(message["keep"]), _flag(message["journal"])]
+        return [kind, message["id"], _flag(message["keep"]), _flag(message["journal"]),
+                _flag(message["replay_file"])]
     if kind == "retrieve_many":
-        return [kind, _flag(message["keep"]), _flag(message["journal"]), *message["ids"]]
+        return [kind, _flag(message["keep"]), _flag(message["journal"]),
+                _flag(message["replay_file"]), *message["ids"]]
     if kind == "ack":
         return [kind, message["id"], message["handoff_id"], _flag(message["keep"])]
     if kind == "ack_many":

@@ -167,6 +167,13 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
         restored_modes=["alternate_screen", "cursor_keys", "keypad", "bracketed_paste"],
         replay_preamble=23,
     )),
+    # Section 14.10: tab-1 of 14.1 again, taken back into custody by a client that reads
+    # its replays from the holder's replay file.
+    "retrieve_many_replay_file": ("14.10", protocol.RetrieveMany(
+        ids=["tab-1", "tab-2"], keep=True, replay_file=True)),
+    "handoff_replay_file": ("14.10", protocol.Handoff(
+        handoff_id=HANDOFF_ID, session=_TAB_1, replay=b"",
+        replay_file=protocol.ReplayFile(offset=0, length=6))),
 }
 
 
@@ -475,12 +482,13 @@ def test_the_annotations_describe_these_bytes(blocks: dict[str, str], name: str)
 
 def test_the_frames_shown_with_fds() -> None:
     """Section 14 shows every way a message carries fds: a deposit's master, a handoff's
-    master (and journal file, with a journal), a deposited's journal file (with a journal)."""
+    master (and journal file, with a journal; and replay file, by reference), a deposited's
+    journal file (with a journal)."""
     carriers = {n: protocol.fds_carried(m) for n, (_, m) in EXAMPLES.items()
                 if protocol.fds_carried(m)}
     assert carriers == {"handoff": 1, "deposit": 1, "deposit_journal": 1,
                         "deposited_journal": 1, "handoff_journal": 2, "handoff_journal_2": 2,
-                        "handoff_modes": 1}
+                        "handoff_modes": 1, "handoff_replay_file": 2}
 
 
 def test_the_example_welcome_shows_the_default_settings() -> None:
@@ -500,18 +508,22 @@ def test_the_example_welcome_shows_the_default_settings() -> None:
 
 
 @pytest.mark.parametrize("name", ["handoff", "handoff_journal", "handoff_journal_2",
-                                  "handoff_modes"])
+                                  "handoff_modes", "handoff_replay_file"])
 def test_the_example_handoff_keeps_its_promises(name: str) -> None:
     """Section 7: the handoff's own dropped_bytes and handoff_id equal its session's,
-    buffered_bytes is the replay's length less its preamble with what was trimmed, what
-    the app recorded is part of the replay, and the preamble sets the modes it names."""
+    buffered_bytes is the replay's length (in the frame, or in the replay file) less its
+    preamble with what was trimmed, what the app recorded is part of the replay, and the
+    preamble sets the modes it names."""
     handoff = message(name)
     assert isinstance(handoff, protocol.Handoff)
     assert handoff.dropped_bytes == handoff.session.dropped_bytes
     assert handoff.handoff_id == handoff.session.handoff_id
-    assert handoff.session.buffered_bytes == (len(handoff.replay) - handoff.replay_preamble
+    where = handoff.replay_file
+    length = len(handoff.replay) if where is None else where.length
+    assert where is None or handoff.replay == b""
+    assert handoff.session.buffered_bytes == (length - handoff.replay_preamble
                                               + handoff.replay_trimmed)
-    assert 0 <= handoff.replay_journaled <= len(handoff.replay) - handoff.replay_preamble
+    assert 0 <= handoff.replay_journaled <= length - handoff.replay_preamble
     assert handoff.session.state in ("draining", "exited")
     scanner = Scanner()
     scanner.feed(handoff.replay[: handoff.replay_preamble])
@@ -622,6 +634,7 @@ MESSAGES: dict[str, type[msgspec.Struct]] = {
        for cls in typing.get_args(protocol.Request) + typing.get_args(protocol.Response)},
     "SessionInfo": protocol.SessionInfo,
     "Journal": protocol.Journal,
+    "ReplayFile": protocol.ReplayFile,
 }
 
 
@@ -712,26 +725,38 @@ def test_the_field_table_is_the_code() -> None:
     assert len(documented) == len(expected)
 
 
-_FD_MARKS = {"+1 fd": {1}, "+1 fd with `journal`": {0, 1}, "+1 fd; 2 with `journal`": {1, 2}}
+_FD_MARKS = {"+1 fd": {1}, "+1 fd with `journal`": {0, 1},
+             "+1 fd; +1 with `journal`; +1 with `replay_file`": {1, 2, 3}}
 
 
 def test_the_fd_carriers_are_marked_in_the_field_table() -> None:
     """Section 7 marks each message that carries fds with how many, as `fds_carried` counts
-    them: `(+1 fd)`, `(+1 fd with `journal`)` (0 without), `(+1 fd; 2 with `journal`)`."""
+    them: `(+1 fd)`, `(+1 fd with `journal`)` (0 without), `(+1 fd; +1 with `journal`; +1
+    with `replay_file`)`."""
     marked = {m["name"]: _FD_MARKS[m["mark"]] for m in re.finditer(
         r"^\| `(?P<name>\w+)` \((?P<mark>\+1 fd[^)]*)\)", doc_section(doc_text(), "7"), re.M)}
     counts: dict[str, set[int]] = {}
     for _, msg in EXAMPLES.values():
         counts.setdefault(str(msg.__struct_config__.tag), set()).add(protocol.fds_carried(msg))
-    assert marked == {tag: n for tag, n in counts.items() if n != {0}}
-    # The examples show both counts of every message whose count depends on `journal`.
+    carriers = {tag: n for tag, n in counts.items() if n != {0}}
+    assert set(marked) == set(carriers)
+    assert all(carriers[tag] <= marked[tag] for tag in marked)
+    # Every count of a message whose count depends on `journal` (and `replay_file`) is the
+    # mark's, and the examples show one with each.
     journal = protocol.Journal(capacity=1, total=0, position=0)
+    where = protocol.ReplayFile(offset=0, length=1)
     for cls in (protocol.Deposited, protocol.Handoff):
         tag = str(cls.__struct_config__.tag)
         example = next(m for _, m in EXAMPLES.values() if isinstance(m, cls))
-        both = {protocol.fds_carried(msgspec.structs.replace(example, journal=j))
-                for j in (None, journal)}
-        assert marked[tag] == both
+        if cls is protocol.Handoff:
+            every = {protocol.fds_carried(msgspec.structs.replace(example, journal=j,
+                                                                  replay_file=r))
+                     for j in (None, journal) for r in (None, where)}
+            assert any(getattr(m, "replay_file", None) for _, m in EXAMPLES.values())
+        else:
+            every = {protocol.fds_carried(msgspec.structs.replace(example, journal=j))
+                     for j in (None, journal)}
+        assert marked[tag] == every
 
 
 def test_the_states_are_the_codes() -> None:

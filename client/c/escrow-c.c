@@ -43,7 +43,7 @@ static const char usage[] =
     "                            or false):\n"
     "      hello OWNER CLIENT TIMEOUT | list BOOL | status | release ID\n"
     "      deposit ID LABEL PID COLS ROWS JOURNAL [KEY=VALUE...]\n"
-    "      retrieve ID KEEP JOURNAL | retrieve_many KEEP JOURNAL ID...\n"
+    "      retrieve ID KEEP JOURNAL REPLAY_FILE | retrieve_many KEEP JOURNAL REPLAY_FILE ID...\n"
     "      ack ID HANDOFF_ID KEEP | ack_many KEEP ID=HANDOFF_ID...\n"
     "      update ID COLS ROWS [META...]   (as the update command)\n"
     "  decode HEX                a holder's frame decoded by the C decoder, as JSON; on\n"
@@ -380,7 +380,7 @@ static int cmd_encode(int argc, char **argv) {
     escrow_error err;
     escrow_code rc = ESCROW_CONFIG;
     const char *type = argc > 0 ? argv[0] : "";
-    int keep = 0, journal = 0, bad = 0;
+    int keep = 0, journal = 0, replay_file = 0, bad = 0;
     if (strcmp(type, "hello") == 0 && argc == 4) {
         escrow_client c;
         memset(&c, 0, sizeof c);
@@ -397,14 +397,17 @@ static int cmd_encode(int argc, char **argv) {
         if (!bad) rc = escrow__encode_deposit(&o, argv[1], &opts, journal, &err);
     } else if (strcmp(type, "release") == 0 && argc == 2) {
         rc = escrow__encode_id(&o, type, argv[1], &err);
-    } else if (strcmp(type, "retrieve") == 0 && argc == 4) {
-        bad = parse_bool(argv[2], &keep) != 0 || parse_bool(argv[3], &journal) != 0;
-        if (!bad) rc = escrow__encode_retrieve(&o, argv[1], keep, journal, &err);
-    } else if (strcmp(type, "retrieve_many") == 0 && argc >= 4) {
-        bad = parse_bool(argv[1], &keep) != 0 || parse_bool(argv[2], &journal) != 0;
+    } else if (strcmp(type, "retrieve") == 0 && argc == 5) {
+        bad = parse_bool(argv[2], &keep) != 0 || parse_bool(argv[3], &journal) != 0 ||
+              parse_bool(argv[4], &replay_file) != 0;
+        if (!bad) rc = escrow__encode_retrieve(&o, argv[1], keep, journal, replay_file, &err);
+    } else if (strcmp(type, "retrieve_many") == 0 && argc >= 5) {
+        bad = parse_bool(argv[1], &keep) != 0 || parse_bool(argv[2], &journal) != 0 ||
+              parse_bool(argv[3], &replay_file) != 0;
         if (!bad)
-            rc = escrow__encode_retrieve_many(&o, (const char *const *)argv + 3,
-                                              (size_t)argc - 3, keep, journal, &err);
+            rc = escrow__encode_retrieve_many(&o, (const char *const *)argv + 4,
+                                              (size_t)argc - 4, keep, journal, replay_file,
+                                              &err);
     } else if (strcmp(type, "ack") == 0 && argc == 4) {
         bad = parse_bool(argv[3], &keep) != 0;
         if (!bad) rc = escrow__encode_ack(&o, argv[1], argv[2], keep, &err);
@@ -504,8 +507,9 @@ static int cmd_decode(const char *hex) {
     } else if (r == 0 && strcmp(f.type, "handoff") == 0) {
         escrow_retrieved got;
         journal_info j;
+        replay_file_info rf;
         memset(&got, 0, sizeof got);
-        if ((r = escrow__decode_handoff(&f, &got, &j)) == 0) {
+        if ((r = escrow__decode_handoff(&f, &got, &j, &rf)) == 0) {
             printf("{\"type\": \"handoff\", \"handoff_id\": "), json_str(stdout, got.handoff_id);
             printf(", \"session\": "), json_session(stdout, &got.session);
             printf(", \"replay\": "), json_hex(stdout, got.replay, got.replay_len);
@@ -517,7 +521,13 @@ static int cmd_decode(const char *hex) {
             printf(", \"restored_modes\": [");
             for (size_t i = 0; i < got.n_restored_modes; i++)
                 fputs(i > 0 ? ", " : "", stdout), json_str(stdout, got.restored_modes[i]);
-            printf("], \"replay_preamble\": %lld}\n", (long long)got.replay_preamble);
+            printf("], \"replay_preamble\": %lld, \"replay_file\": ",
+                   (long long)got.replay_preamble);
+            if (rf.set)
+                printf("{\"offset\": %lld, \"length\": %lld}}\n", (long long)rf.offset,
+                       (long long)rf.length);
+            else
+                printf("null}\n");
         }
         escrow_retrieved_free(&got);
     } else if (r == 0 && strcmp(f.type, "sessions") == 0) {

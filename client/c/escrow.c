@@ -279,7 +279,8 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
         escrow__conn_close(&cn);
         return rc;
     }
-    rc = escrow__encode_retrieve(&o, id, 0, 0, err); /* no keep, no journal: section 12.2 */
+    /* No keep, no journal, the replay in the frame: section 12.2. */
+    rc = escrow__encode_retrieve(&o, id, 0, 0, 0, err);
     if (rc == ESCROW_OK) rc = escrow__call(&cn, &o, -1, "handoff", deadline, &f, err);
     free(o.data);
     if (rc != ESCROW_OK) {
@@ -288,7 +289,8 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
         return rc;
     }
     journal_info journal;
-    if (escrow__decode_handoff(&f, out, &journal) != 0) {
+    replay_file_info replay_file;
+    if (escrow__decode_handoff(&f, out, &journal, &replay_file) != 0 || replay_file.set) {
         escrow__frame_free(&f); /* closes the fds: never acked, the holder drains it again */
         escrow_retrieved_free(out);
         escrow__conn_close(&cn);

@@ -374,13 +374,15 @@ escrow_code escrow__encode_id(mp_out *o, const char *type, const char *id, escro
     return finish(o, err);
 }
 
-/* `keep`: retrieve into custody (section 12.6); `journal` only with it. */
+/* `keep`: retrieve into custody (section 12.6); `journal` only with it. `replay_file`: the
+ * replay by reference (section 12.8), which the API never asks for (it has no mapping). */
 escrow_code escrow__encode_retrieve(mp_out *o, const char *id, int keep, int journal,
-                                    escrow_error *err) {
-    begin(o, "retrieve", 3);
+                                    int replay_file, escrow_error *err) {
+    begin(o, "retrieve", 4);
     mp_str(o, "id"), mp_str(o, id);
     mp_str(o, "keep"), mp_bool(o, keep);
     mp_str(o, "journal"), mp_bool(o, journal);
+    mp_str(o, "replay_file"), mp_bool(o, replay_file);
     return finish(o, err);
 }
 
@@ -418,12 +420,14 @@ escrow_code escrow__encode_update(mp_out *o, const char *id, int64_t cols, int64
  * ports and checked against the test vectors: escrow-c.c is built with ESCROW_FULL_CODEC. */
 
 escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
-                                         int keep, int journal, escrow_error *err) {
-    begin(o, "retrieve_many", 3);
+                                         int keep, int journal, int replay_file,
+                                         escrow_error *err) {
+    begin(o, "retrieve_many", 4);
     mp_str(o, "ids"), mp_array(o, (uint32_t)count);
     for (size_t i = 0; i < count; i++) mp_str(o, ids[i]);
     mp_str(o, "keep"), mp_bool(o, keep);
     mp_str(o, "journal"), mp_bool(o, journal);
+    mp_str(o, "replay_file"), mp_bool(o, replay_file);
     return finish(o, err);
 }
 
@@ -475,8 +479,8 @@ int escrow__frame_type(const unsigned char *body, size_t len, char type[16]) {
     return in.p == in.end && type[0] != 0 ? 0 : -1; /* nothing may follow the one value */
 }
 
-/* Does the body's `journal` field hold a value (not nil)? The last of repeated keys counts. */
-static int has_journal(const frame *f) {
+/* Does the body's field `name` hold a value (not nil)? The last of repeated keys counts. */
+static int has_value(const frame *f, const char *name) {
     mp_in in = {f->body, f->body + f->len};
     size_t n;
     int set = 0;
@@ -485,18 +489,20 @@ static int has_journal(const frame *f) {
         const char *k;
         size_t kl;
         if (rd_str(&in, &k, &kl) != 0) return 0;
-        if (key_is(k, kl, "journal")) set = peek(&in) != 0xc0;
+        if (key_is(k, kl, name)) set = peek(&in) != 0xc0;
         if (rd_skip(&in, 0) != 0) return 0;
     }
     return set;
 }
 
-/* How many fds a holder's message comes with (section 4): the master of a handoff, and the
- * journal file of a granted journal (a handoff's second fd, a deposited's only one). A journal
- * of the wrong shape is counted as set; the frame then fails to decode. */
+/* How many fds a holder's message comes with (section 4): the master of a handoff, the
+ * journal file of a granted journal (a handoff's second fd, a deposited's only one), and a
+ * handoff's replay file (its last). A field of the wrong shape is counted as set; the frame
+ * then fails to decode. */
 size_t escrow__fds_carried(const frame *f) {
-    if (strcmp(f->type, "handoff") == 0) return 1 + (size_t)has_journal(f);
-    if (strcmp(f->type, "deposited") == 0) return (size_t)has_journal(f);
+    if (strcmp(f->type, "handoff") == 0)
+        return 1 + (size_t)has_value(f, "journal") + (size_t)has_value(f, "replay_file");
+    if (strcmp(f->type, "deposited") == 0) return (size_t)has_value(f, "journal");
     return 0;
 }
 
@@ -709,6 +715,28 @@ static int rd_journal(mp_in *in, journal_info *j) {
     return need == 0 ? 0 : -1;
 }
 
+/* A ReplayFile (section 12.8) | nil. */
+static int rd_replay_file(mp_in *in, replay_file_info *rf) {
+    enum { OFFSET = 1, LENGTH = 2 };
+    unsigned need = OFFSET | LENGTH;
+    size_t n;
+    memset(rf, 0, sizeof *rf);
+    if (rd_nil(in)) return 0;
+    if (rd_map(in, &n) != 0) return -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *k;
+        size_t kl;
+        int r;
+        if (rd_str(in, &k, &kl) != 0) return -1;
+        if (key_is(k, kl, "offset")) r = rd_int(in, &rf->offset), need &= ~OFFSET;
+        else if (key_is(k, kl, "length")) r = rd_int(in, &rf->length), need &= ~LENGTH;
+        else r = rd_skip(in, 0);
+        if (r != 0) return -1;
+    }
+    rf->set = 1;
+    return need == 0 ? 0 : -1;
+}
+
 /* deposited: {id, journal}. */
 int escrow__decode_deposited(const frame *f, char id[ESCROW_NAME_MAX + 1], journal_info *j) {
     mp_in in = {f->body, f->body + f->len};
@@ -746,12 +774,14 @@ static int rd_modes(mp_in *in, escrow_retrieved *out) {
     return 0;
 }
 
-int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j) {
+int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j,
+                           replay_file_info *rf) {
     enum { HANDOFF_ID = 1, SESSION = 2, REPLAY = 4 };
     unsigned need = HANDOFF_ID | SESSION | REPLAY;
     mp_in in = {f->body, f->body + f->len};
     size_t n;
     memset(j, 0, sizeof *j);
+    memset(rf, 0, sizeof *rf);
     if (rd_map(&in, &n) != 0) return -1;
     for (size_t i = 0; i < n; i++) {
         const char *k;
@@ -770,6 +800,7 @@ int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *
         else if (key_is(k, kl, "journal")) r = rd_journal(&in, j);
         else if (key_is(k, kl, "restored_modes")) r = rd_modes(&in, out);
         else if (key_is(k, kl, "replay_preamble")) r = rd_int(&in, &out->replay_preamble);
+        else if (key_is(k, kl, "replay_file")) r = rd_replay_file(&in, rf);
         else r = rd_skip(&in, 0);
         if (r != 0) return -1;
     }

@@ -98,13 +98,20 @@ typedef struct journal_info {
     int64_t capacity, total, position;
 } journal_info;
 
+/* A ReplayFile (section 12.8) | nil: where a replay sent by reference is. The API never asks
+ * for one, so a handoff that has one anyway is refused (not acked). */
+typedef struct replay_file_info {
+    int set; /* 0: nil */
+    int64_t offset, length;
+} replay_file_info;
+
 /* Requests: each writes a whole frame into `o` (free o->data after, whatever the result). */
 escrow_code escrow__encode_hello(mp_out *o, const escrow_client *c, escrow_error *err);
 escrow_code escrow__encode_deposit(mp_out *o, const char *id, const escrow_deposit_opts *opts,
                                    int journal, escrow_error *err);
 escrow_code escrow__encode_id(mp_out *o, const char *type, const char *id, escrow_error *err);
 escrow_code escrow__encode_retrieve(mp_out *o, const char *id, int keep, int journal,
-                                    escrow_error *err);
+                                    int replay_file, escrow_error *err);
 escrow_code escrow__encode_ack(mp_out *o, const char *id, const char *handoff_id, int keep,
                                escrow_error *err);
 escrow_code escrow__encode_update(mp_out *o, const char *id, int64_t cols, int64_t rows,
@@ -121,7 +128,8 @@ size_t escrow__fds_carried(const frame *f);
 int escrow__decode_welcome(const frame *f, escrow_welcome *w);
 int escrow__decode_id(const frame *f, char id[ESCROW_NAME_MAX + 1]);
 int escrow__decode_deposited(const frame *f, char id[ESCROW_NAME_MAX + 1], journal_info *j);
-int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j);
+int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *j,
+                           replay_file_info *rf);
 int escrow__decode_sessions(const frame *f, escrow_session **out, size_t *count);
 int escrow__decode_status(const frame *f, escrow_status *s);
 int escrow__decode_error_fields(const frame *f, escrow_error *e);
@@ -132,7 +140,8 @@ escrow_code escrow__decode_error(const frame *f, escrow_error *err);
 /* Messages the API neither sends nor receives (it offers no retrieve_many), written out for
  * ports and checked against the test vectors: escrow-c.c is built with ESCROW_FULL_CODEC. */
 escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
-                                         int keep, int journal, escrow_error *err);
+                                         int keep, int journal, int replay_file,
+                                         escrow_error *err);
 escrow_code escrow__encode_ack_many(mp_out *o, const char *const *ids,
                                     const char *const *handoff_ids, size_t count, int keep,
                                     escrow_error *err);
