@@ -41,8 +41,6 @@ from typing import Protocol, TypedDict
 from .modes import Modes, Scanner
 from .statefile import DATA_OFFSET, Record, StateFile
 
-_ESC = b"\x1b"
-
 
 class Stored(Protocol):
     """What the tracker reads of a ring (escrowd.ring.Ring)."""
@@ -86,20 +84,20 @@ class RingModes:
         if upto <= start:
             return None
         cap = ring.capacity
-        a = ring.position(start)
+        a = DATA_OFFSET + ring.position(start)
         b = a + upto - start
-        mapping = ring.state.mapping
-        if b <= cap:
-            if not self.scanner.pending and mapping.find(
-                    _ESC, DATA_OFFSET + a, DATA_OFFSET + b) < 0:
+        memory = ring.state.memory
+        end = DATA_OFFSET + cap
+        if b <= end:
+            if not self.scanner.pending and memory.find(27, a, b) < 0:
                 return None
-            return mapping[DATA_OFFSET + a : DATA_OFFSET + b]
-        if not self.scanner.pending and mapping.find(
-                _ESC, DATA_OFFSET + a, DATA_OFFSET + cap) < 0 and mapping.find(
-                _ESC, DATA_OFFSET, DATA_OFFSET + b - cap) < 0:
+            return memory.view[a:b].tobytes()
+        b -= cap
+        if not self.scanner.pending and memory.find(27, a, end) < 0 and memory.find(
+                27, DATA_OFFSET, b) < 0:
             return None
-        return (mapping[DATA_OFFSET + a : DATA_OFFSET + cap]
-                + mapping[DATA_OFFSET : DATA_OFFSET + b - cap])
+        view = memory.view
+        return view[a:end].tobytes() + view[DATA_OFFSET:b].tobytes()
 
     def overwritten(self, saved: bytes | None, upto: int) -> None:
         """The write is done: the bytes before number `upto` are gone (`saved` is what
@@ -120,11 +118,12 @@ class RingModes:
         cap = ring.capacity
         a = ring.position(start)
         count = upto - start
-        mapping = ring.state.mapping
+        view = ring.state.memory.view
         first = min(count, cap - a)
-        changed = self.scanner.feed(mapping, DATA_OFFSET + a, DATA_OFFSET + a + first)
+        # Copied out: a memoryview has no `find`, which the scanner runs on (a memcpy).
+        changed = self.scanner.feed(view[DATA_OFFSET + a : DATA_OFFSET + a + first].tobytes())
         if first < count:
-            changed |= self.scanner.feed(mapping, DATA_OFFSET, DATA_OFFSET + count - first)
+            changed |= self.scanner.feed(view[DATA_OFFSET : DATA_OFFSET + count - first].tobytes())
         self.dirty |= changed
         self.scanned = upto
 
