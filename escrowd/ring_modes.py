@@ -67,6 +67,8 @@ class RingModes:
     """One ring's scanner, `scanned` bytes into its stream. `dirty` once the modes (or a
     pending sequence) changed since they were last recorded (`stored`)."""
 
+    __slots__ = ("_ring", "scanner", "scanned", "dirty")
+
     def __init__(self, ring: Stored) -> None:
         self._ring = ring
         self.scanner = Scanner()
