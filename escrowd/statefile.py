@@ -132,7 +132,7 @@ class StateFile(Generic[R]):
     the fd store, holds a copy of the fd)."""
 
     __slots__ = ("fd", "size", "data", "_memory", "_view", "_decoder", "_total", "_slot_seq",
-                 "_newest_slot", "_seq", "_newest")
+                 "_newest_slot", "_seq")
 
     def __init__(self, fd: int, kind: type[R]) -> None:
         """Map an existing state file and check its fixed header (CorruptState if it is
@@ -165,11 +165,9 @@ class StateFile(Generic[R]):
         self.size = int(size)
         self.data = view[DATA_OFFSET : DATA_OFFSET + self.size]
         self._total = view[TOTAL_OFFSET : TOTAL_OFFSET + 8].cast("Q")
-        self._slot_seq: dict[int, int] = {}
+        self._slot_seq = [-1] * len(_SLOTS)  # each slot's sequence number (-1: none valid)
         self._newest_slot: int | None = None
-        self._seq: int
-        self._newest: R | None
-        self._seq, self._newest = self._scan()
+        self._seq = self._scan()
 
     @classmethod
     def create(cls, kind: type[R], size: int, name: str,
@@ -211,8 +209,13 @@ class StateFile(Generic[R]):
     # --- records -----------------------------------------------------------------------------
 
     def record(self) -> R | None:
-        """The newest valid record, or None if none was ever written."""
-        return self._newest
+        """The newest valid record, or None if none was ever written. Read from its slot
+        each time (rarely: a holder that adopts the file, or checks itself): a holder keeps
+        thousands of state files, and a copy of each record in memory was half a KB."""
+        if self._newest_slot is None:
+            return None
+        found = _read_slot(self.fd, self._newest_slot, self._decoder)
+        return found[1] if found is not None else None
 
     def write(self, record: R) -> None:
         """Write `record` into a slot that does not hold the newest valid one, then it is
@@ -227,24 +230,24 @@ class StateFile(Generic[R]):
             if not fits:
                 raise ValueError(f"a record of {len(payload)} bytes does not fit a slot")
             # Prefer page 0 (already resident), and the slot written longest ago.
-            target = min(fits, key=lambda i: (i >= 2, self._slot_seq.get(i, -1)))
+            target = min(fits, key=lambda i: (i >= 2, self._slot_seq[i]))
         seq = self._seq + 1
         offset, _ = _SLOTS[target]
         head_at, body_at = offset, offset + _SLOT_HEAD.size
         self._view[body_at : body_at + len(payload)] = payload
         crc = zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, len(payload))))
         _SLOT_HEAD.pack_into(self._view, head_at, seq, len(payload), crc)
-        self._seq, self._newest, self._newest_slot = seq, record, target
+        self._seq, self._newest_slot = seq, target
         self._slot_seq[target] = seq
 
-    def _scan(self) -> tuple[int, R | None]:
-        """The newest valid record and its sequence number; fills `_slot_seq` with the
-        sequence number of every valid slot."""
-        best: tuple[int, R | None] = (0, None)
-        for i, seq, record in _valid_slots(self.fd, self._decoder):
+    def _scan(self) -> int:
+        """The newest valid record's sequence number (0: none), its slot in `_newest_slot`;
+        fills `_slot_seq` with the sequence number of every valid slot."""
+        best = 0
+        for i, seq, _ in _valid_slots(self.fd, self._decoder):
             self._slot_seq[i] = seq
-            if seq > best[0]:
-                best = (seq, record)
+            if seq > best:
+                best = seq
                 self._newest_slot = i
         return best
 
@@ -276,29 +279,34 @@ def newest_record(fd: int) -> Record | None:
 
 def _valid_slots(fd: int, decoder: msgspec.msgpack.Decoder[R]) -> Iterator[tuple[int, int, R]]:
     """(slot, sequence number, record) of every slot of `fd` holding a whole record."""
-    for i, (offset, size) in enumerate(_SLOTS):
-        # Read with pread, not through the mapping: a slot never written is a hole, and
-        # touching it through a shared mapping would allocate a page of memory (two per
-        # session, for the big slots) just to read zeros.
+    for i in range(len(_SLOTS)):
         try:
-            head = os.pread(fd, _SLOT_HEAD.size, offset)
+            found = _read_slot(fd, i, decoder)
         except OSError:
             return
-        if len(head) < _SLOT_HEAD.size:
-            continue
-        seq, length, crc = _SLOT_HEAD.unpack(head)
-        if seq == 0 or length > size - _SLOT_HEAD.size:
-            continue
-        try:
-            payload = os.pread(fd, length, offset + _SLOT_HEAD.size)
-        except OSError:
-            return
-        if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
-            continue  # torn, or never finished
-        try:
-            yield i, seq, decoder.decode(payload)
-        except msgspec.DecodeError:
-            continue
+        if found is not None:
+            yield i, found[0], found[1]
+
+
+def _read_slot(fd: int, i: int, decoder: msgspec.msgpack.Decoder[R]) -> tuple[int, R] | None:
+    """(sequence number, record) of slot `i` of `fd`, if it holds a whole record."""
+    offset, size = _SLOTS[i]
+    # Read with pread, not through the mapping: a slot never written is a hole, and
+    # touching it through a shared mapping would allocate a page of memory (two per
+    # session, for the big slots) just to read zeros.
+    head = os.pread(fd, _SLOT_HEAD.size, offset)
+    if len(head) < _SLOT_HEAD.size:
+        return None
+    seq, length, crc = _SLOT_HEAD.unpack(head)
+    if seq == 0 or length > size - _SLOT_HEAD.size:
+        return None
+    payload = os.pread(fd, length, offset + _SLOT_HEAD.size)
+    if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
+        return None  # torn, or never finished
+    try:
+        return seq, decoder.decode(payload)
+    except msgspec.DecodeError:
+        return None
 
 
 def _fixed_crc(head: bytes) -> int:
