@@ -283,7 +283,7 @@ class DrainLoop:
         while readers or resting:
             assert self._set is not None
             ready, made = self._set.ready, 0
-            changed: list[Reader] = []
+            changed: set[Reader] = set()
             while made < _TURN_READS:
                 fds = ready(_ROUND)
                 if not fds:
@@ -310,7 +310,7 @@ class DrainLoop:
                         reader._session.hung_up = True
                         self._hung_up(reader, fd)
                     elif ring.modes.dirty:
-                        changed.append(reader)
+                        changed.add(reader)
             for reader in changed:
                 self._record_modes(reader)
             if made >= _TURN_READS:
@@ -372,6 +372,7 @@ class DrainLoop:
         """The modes at the replay's start changed (bytes that set them left the ring):
         recorded once a turn, for a holder that adopts this session."""
         try:
-            reader._session.persist()
+            if reader._session.ring.modes.to_record():
+                reader._session.persist()
         except Exception as exc:
             reader._session.log("internal_error", where="drain", error=repr(exc))

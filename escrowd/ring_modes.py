@@ -28,7 +28,8 @@ bends (a control byte inside a sequence). Approximate, and said so where the byt
   which is right for a program that stays in its modes), or that left an app's journal
   before the holder copied it (`skip`): whatever those bytes set is not known;
 - after a holder restart: the modes are stored in the session's record (escrowd.statefile,
-  checked by escrowd.bounds), written when they change, at most once per drain slice. A
+  checked by escrowd.bounds), written when they differ from those recorded, at most once per
+  turn of the drain loop. A
   holder killed before that write, or a record whose position lies before the ring's oldest
   byte (bytes delivered or dropped since), resumes from the ring's oldest byte with the
   modes last recorded, and the one read a kill may tear (`Ring.adopt`) is not looked at.
@@ -67,13 +68,14 @@ class RingModes:
     """One ring's scanner, `scanned` bytes into its stream. `dirty` once the modes (or a
     pending sequence) changed since they were last recorded (`stored`)."""
 
-    __slots__ = ("_ring", "scanner", "scanned", "dirty")
+    __slots__ = ("_ring", "scanner", "scanned", "dirty", "_recorded")
 
     def __init__(self, ring: Stored) -> None:
         self._ring = ring
         self.scanner = Scanner()
         self.scanned = ring.total
         self.dirty = False
+        self._recorded: tuple[list[int], bytes] | None = None  # as `stored` last gave them
 
     # --- bytes about to leave the storage ------------------------------------------------
 
@@ -172,8 +174,20 @@ class RingModes:
     def stored(self) -> ModesRecord:
         """The record's fields for these modes (and they are recorded from here)."""
         self.dirty = False
-        return {"modes": self.scanner.modes.stored(), "modes_pending": self.scanner.pending,
-                "modes_at": self.scanned}
+        modes, pending = self.scanner.modes.stored(), self.scanner.pending
+        self._recorded = (modes, pending)
+        return {"modes": modes, "modes_pending": pending, "modes_at": self.scanned}
+
+    def to_record(self) -> bool:
+        """Whether the modes (or a pending sequence) differ from those last recorded: a
+        full-screen program hides its cursor and shows it again at every redraw, which
+        changes nothing a record keeps. (Not `dirty` any more if they do not.)"""
+        if not self.dirty:
+            return False
+        if (self.scanner.modes.stored(), self.scanner.pending) == self._recorded:
+            self.dirty = False
+            return False
+        return True
 
     def restore(self, modes: list[int], pending: bytes, at: int) -> None:
         """Take up what a record says (its fields checked by escrowd.bounds), for an adopted
