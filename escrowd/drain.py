@@ -221,7 +221,7 @@ class DrainLoop:
         self._readers: dict[int, Reader] = {}  # by fd: the ones in the set
         self._resting: dict[Reader, float] = {}  # faulted: when each is read again
         self._running = False
-        self._waiting: trio.CancelScope | None = None  # the task's wait, while it waits
+        self._waiting = False  # the task waits for the set (or a resting terminal)
 
     @classmethod
     def current(cls) -> DrainLoop:
@@ -246,11 +246,10 @@ class DrainLoop:
         if self._readers.get(fd) is reader:  # (else resting, or out since its hangup)
             del self._readers[fd]
             self._discard(fd)
-        if not self._readers and not self._resting:
-            if self._waiting is not None:
-                self._waiting.cancel()  # nothing left to wait for: the task ends
-            elif not self._running:
-                self._close()  # (the task ended with the nursery it ran in)
+        if not self._readers and not self._resting and (self._waiting or not self._running):
+            # Nothing left to wait for: the set goes, which wakes the task's wait, and it
+            # ends (or the task ended already with the nursery it ran in).
+            self._close()
 
     def _discard(self, fd: int) -> None:
         assert self._set is not None
@@ -264,7 +263,7 @@ class DrainLoop:
             await self._serve()
         finally:
             self._running = False
-            self._waiting = None
+            self._waiting = False
             if not self._readers and not self._resting:
                 self._close()
 
@@ -321,12 +320,17 @@ class DrainLoop:
     async def _wait(self) -> None:
         """Until the set is readable, or a resting terminal is due."""
         assert self._set is not None
-        due = min(self._resting.values()) if self._resting else float("inf")
-        with trio.move_on_at(due) as self._waiting:
-            await trio.lowlevel.wait_readable(self._set.fileno())
-        self._waiting = None
-        if not self._resting:
-            return
+        self._waiting = True
+        try:
+            if not self._resting:
+                await trio.lowlevel.wait_readable(self._set.fileno())
+                return
+            with trio.move_on_at(min(self._resting.values())):
+                await trio.lowlevel.wait_readable(self._set.fileno())
+        except trio.ClosedResourceError:
+            return  # the last drain stopped (`remove`): the task ends, or goes on anew
+        finally:
+            self._waiting = False
         now = trio.current_time()
         for reader, due in list(self._resting.items()):
             if due <= now:

@@ -42,6 +42,9 @@ from typing import Protocol, TypedDict
 from .modes import Modes, Scanner
 from .statefile import DATA_OFFSET, Record, StateFile
 
+# How far past a read's bytes the search for an ESC looks ahead (`RingModes._first_esc`).
+_AHEAD = 64 * 1024
+
 
 class Stored(Protocol):
     """What the tracker reads of a ring (escrowd.ring.Ring)."""
@@ -68,7 +71,7 @@ class RingModes:
     """One ring's scanner, `scanned` bytes into its stream. `dirty` once the modes (or a
     pending sequence) changed since they were last recorded (`stored`)."""
 
-    __slots__ = ("_ring", "scanner", "scanned", "dirty", "_recorded")
+    __slots__ = ("_ring", "scanner", "scanned", "dirty", "_recorded", "_clean_to")
 
     def __init__(self, ring: Stored) -> None:
         self._ring = ring
@@ -76,6 +79,8 @@ class RingModes:
         self.scanned = ring.total
         self.dirty = False
         self._recorded: tuple[list[int], bytes] | None = None  # as `stored` last gave them
+        # The stored bytes from `scanned` up to this number hold no ESC (see `_first_esc`).
+        self._clean_to = self.scanned
 
     # --- bytes about to leave the storage ------------------------------------------------
 
@@ -84,24 +89,47 @@ class RingModes:
         them: how many, only the read knows): a copy of those not read yet, or None when
         there are none or they change nothing (no ESC, and no sequence pending). (This runs
         at every read: the common path is kept short.)"""
-        start, ring = self.scanned, self._ring
+        start = self.scanned
         if upto <= start:
             return None
+        if not self.scanner.pending:
+            if upto <= self._clean_to:
+                return None
+            self._clean_to = self._first_esc(max(start, self._clean_to), upto + _AHEAD)
+            if upto <= self._clean_to:
+                return None
+        ring = self._ring
         cap = ring.capacity
         a = DATA_OFFSET + ring.position(start)
         b = a + upto - start
-        memory = ring.state.memory
+        view = ring.state.memory.view
         end = DATA_OFFSET + cap
         if b <= end:
-            if not self.scanner.pending and memory.find(27, a, b) < 0:
-                return None
-            return memory.view[a:b].tobytes()
-        b -= cap
-        if not self.scanner.pending and memory.find(27, a, end) < 0 and memory.find(
-                27, DATA_OFFSET, b) < 0:
-            return None
-        view = memory.view
-        return view[a:end].tobytes() + view[DATA_OFFSET:b].tobytes()
+            return view[a:b].tobytes()
+        return view[a:end].tobytes() + view[DATA_OFFSET : b - cap].tobytes()
+
+    def _first_esc(self, start: int, limit: int) -> int:
+        """The number of the first stored byte from `start` on that is an ESC, or where the
+        search stopped without one: at `limit`, or at the newest byte. One memchr over many
+        reads' worth of bytes, which are stored and read from here on in order, so that
+        plain text does not pay for one at every read."""
+        ring = self._ring
+        limit = min(limit, ring.total)
+        if limit <= start:
+            return start
+        cap = ring.capacity
+        a = ring.position(start)
+        count = limit - start
+        memory = ring.state.memory
+        first = min(count, cap - a)
+        found = memory.find(27, DATA_OFFSET + a, DATA_OFFSET + a + first)
+        if found >= 0:
+            return start + found - DATA_OFFSET - a
+        if first < count:
+            found = memory.find(27, DATA_OFFSET, DATA_OFFSET + count - first)
+            if found >= 0:
+                return start + first + found - DATA_OFFSET
+        return limit
 
     def overwritten(self, saved: bytes | None, upto: int) -> None:
         """The write is done: the bytes before number `upto` are gone (`saved` is what
@@ -151,7 +179,7 @@ class RingModes:
         if self.scanner.pending:
             self.scanner.lose()
             self.dirty = True
-        self.scanned = resume_at
+        self.scanned = self._clean_to = resume_at
 
     # --- where a replay starts -------------------------------------------------------------
 
@@ -198,6 +226,6 @@ class RingModes:
         if restored is None or not Scanner.valid_pending(pending):
             restored, pending, at = Modes(), b"", oldest  # (checked already: never)
         self.scanner = Scanner(restored, pending)
-        self.scanned = at
+        self.scanned = self._clean_to = at
         if at < oldest:
             self.lost(oldest)
