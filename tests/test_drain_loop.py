@@ -10,6 +10,7 @@ leaves every other one draining.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -80,7 +81,8 @@ def strace_counts(output: str) -> dict[str, int]:
     counts = {}
     for line in output.splitlines():
         fields = line.split()
-        if len(fields) >= 5 and fields[-1].isidentifier() and fields[3].isdigit():
+        if (len(fields) >= 5 and fields[-1].isidentifier() and fields[3].isdigit()
+                and fields[-1] != "total"):
             counts[fields[-1]] = int(fields[3])
     return counts
 
@@ -125,6 +127,40 @@ def test_a_flood_costs_a_read_and_a_share_of_one_epoll_wait_a_read(
     # One epoll wait a read at most (the loop's, while one terminal alone is ready), and
     # trio's own at each turn: under 1.25 a read with everything around the drain.
     assert sum(others.values()) <= reads * 1.25, others
+
+
+def test_an_idle_holder_with_draining_sessions_makes_no_system_call(
+    holder: HolderProcess, writers, tmp_path
+) -> None:
+    """30 sessions draining, all quiet: the holder waits in one epoll wait, whatever the
+    number of sessions. A second of strace on it, and one request after it, count the
+    request's system calls and no read of a terminal, no wake-up of its own."""
+    strace = require_program("strace")
+    client = holder.client()
+    for i in range(30):
+        hand_off_and_go(client, f"s{i}", writers(b"printed once\n"))
+    wait_for(lambda: [s.buffered_bytes for s in client.list()] == [13] * 30, 10.0,
+             "every session drained")
+    out = tmp_path / "strace.txt"
+    tracer = subprocess.Popen([strace, "-c", "-f", "-o", str(out), "-p", str(holder.pid)],
+                              stderr=subprocess.PIPE)
+    try:
+        assert tracer.stderr is not None
+        wait_for(lambda: b"attached" in tracer.stderr.read1(4096), 10.0, "strace to attach")
+        # What is measured is a second of nothing happening: no event can end it.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            tracer.wait(1.0)
+        client.status()  # and then one request, which strace must see: it is tracing
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(30)
+        if tracer.stderr is not None:
+            tracer.stderr.close()
+    calls = strace_counts(out.read_text())
+    print(f"\n  an idle second, then one request: {calls}")
+    assert calls.get("sendmsg", 0) + calls.get("sendto", 0) >= 1, "strace saw nothing"
+    assert calls.get("readv", 0) == 0  # no terminal read: none had anything
+    assert calls.get("epoll_wait", 0) <= 10, calls  # the request's, no idle wake-up
 
 
 def test_a_flood_in_one_session_starves_no_other(make_holder: Callable[..., HolderProcess],
