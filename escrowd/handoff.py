@@ -250,7 +250,8 @@ async def _claim_and_stop(
         if session.hung_up:
             claim.prior = "exited"
         if session.has_drain():
-            # Its drain task did not finish in time: it drains again once it has.
+            # Its drain did not stop in time: put back, to drain again. (A drain now stops
+            # at once, escrowd.drain; the answer stays for the budget the protocol states.)
             stuck = True
             ready.remove(claim)
             claims.remove(claim)

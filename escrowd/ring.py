@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Protocol, TypedDict
+from typing import TypedDict
 
+from .ring_budget import Budget, OwnerShare, RingBudget
 from .ring_modes import RingModes
 from .statefile import MAX_READ, Record, StateFile
+
+__all__ = ["MIN_CAPACITY", "Budget", "HeldBytes", "Layout", "OwnerShare", "Ring", "RingBudget"]
 
 MIN_CAPACITY = 16 * 1024
 _SCRATCH = bytearray(64 * 1024)  # where bytes go that no ring has room for
@@ -50,115 +53,24 @@ class Layout(TypedDict):
     dropped_base: int
 
 
-class Budget(Protocol):
-    """What a ring draws its storage from: the holder's `RingBudget`, or an owner's share
-    of it (`OwnerShare`)."""
+class HeldBytes:
+    """Where a ring's bytes are and what it holds, as its layout and hot counter say: the
+    reading side of `Ring`, which is the rest."""
 
-    rings: int
-
-    def grant(self, wanted: int, current: int = 0) -> int: ...
-    def take(self, amount: int) -> None: ...
-    def give_back(self, amount: int) -> None: ...
-
-
-class RingBudget:
-    """The holder-wide cap on ring storage, shared by every session.
-
-    No ring grows past its fair share (the total over the rings alive), so that when many
-    sessions flood at once the first ones to ask do not take everything and leave the
-    rest with no replay at all; and no owner's rings take more than `per_owner` in all
-    (`for_owner`), so that one app with many sessions cannot leave another's session with
-    none. Storage already granted is kept.
-    """
-
-    def __init__(self, total_bytes: int, per_owner: int | None = None) -> None:
-        self.total = total_bytes
-        self.used = 0
-        self.rings = 0
-        self.per_owner = total_bytes if per_owner is None else per_owner
-        self.owners: dict[str, int] = {}  # storage granted, by owner
-
-    def for_owner(self, owner: str) -> OwnerShare:
-        return OwnerShare(self, owner)
-
-    def grant(self, wanted: int, current: int = 0) -> int:
-        fair = self.total // max(1, self.rings)
-        granted = max(0, min(wanted, self.total - self.used, fair - current))
-        self.used += granted
-        return granted
-
-    def take(self, amount: int) -> None:
-        """Storage an adopted ring already has: counted, even past the cap (it was within
-        the cap of the holder that granted it)."""
-        self.used += amount
-
-    def give_back(self, amount: int) -> None:
-        self.used -= amount
-
-
-class OwnerShare:
-    """One owner's share of a `RingBudget`: what it grants, it counts for that owner too,
-    and it grants no more than the owner's room under `per_owner`."""
-
-    def __init__(self, pool: RingBudget, owner: str) -> None:
-        self.pool, self.owner = pool, owner
-
-    @property
-    def rings(self) -> int:
-        return self.pool.rings
-
-    @rings.setter
-    def rings(self, value: int) -> None:
-        self.pool.rings = value
-
-    def grant(self, wanted: int, current: int = 0) -> int:
-        room = self.pool.per_owner - self.pool.owners.get(self.owner, 0)
-        granted = self.pool.grant(min(wanted, max(0, room)), current)
-        self._count(granted)
-        return granted
-
-    def take(self, amount: int) -> None:
-        self.pool.take(amount)
-        self._count(amount)
-
-    def give_back(self, amount: int) -> None:
-        self.pool.give_back(amount)
-        self._count(-amount)
-
-    def _count(self, amount: int) -> None:
-        left = self.pool.owners.get(self.owner, 0) + amount
-        if left:
-            self.pool.owners[self.owner] = left
-        else:
-            self.pool.owners.pop(self.owner, None)
-
-
-class Ring:
-    """A session's replay, in `state.data`. Resource handling: owns `state` (closed by
-    `release`). `on_layout` is called after the layout changed (the session persists its
-    record then)."""
-
-    def __init__(
-        self, limit: int, budget: Budget, state: StateFile[Record] | None = None
-    ) -> None:
-        self.limit = limit
-        self._budget = budget
-        budget.rings += 1
-        self._released = False
-        self.state = state if state is not None else StateFile.create(Record, limit, "ring")
-        self._data = self.state.data
-        self.capacity = self.origin = self.total_at_layout = self.length_at_layout = 0
-        self._total = self.state.total
-        self._length = 0  # length_at_layout + total - total_at_layout
-        # A read may overwrite held bytes (the ring could not grow enough for it): in the
-        # layout before such a read is made.
-        self.saturated = False
-        # Counted in `total` but neither held nor dropped: delivered by a retrieve into
-        # custody (`consume`).
-        self.consumed = 0
-        self.dropped_base = 0  # `dropped` when the replay was last delivered (`consume`)
-        self.on_layout: Callable[[], None] | None = None
-        self.modes = RingModes(self)  # the modes at the oldest byte, for a replay's start
+    __slots__ = ("_budget", "_data", "capacity", "origin", "total_at_layout",
+                 "length_at_layout", "_total", "_length", "saturated", "consumed",
+                 "dropped_base")
+    _budget: Budget
+    _data: memoryview
+    capacity: int
+    origin: int
+    total_at_layout: int
+    length_at_layout: int
+    _total: int
+    _length: int  # length_at_layout + total - total_at_layout
+    saturated: bool
+    consumed: int
+    dropped_base: int
 
     # --- what is held --------------------------------------------------------------------
 
@@ -209,6 +121,36 @@ class Ring:
         if self.capacity == 0:
             return 0
         return (self.origin + self.length_at_layout + total - self.total_at_layout) % self.capacity
+
+
+class Ring(HeldBytes):
+    """A session's replay, in `state.data`. Resource handling: owns `state` (closed by
+    `release`). `on_layout` is called after the layout changed (the session persists its
+    record then)."""
+
+    __slots__ = ("limit", "_released", "state", "on_layout", "modes")
+
+    def __init__(
+        self, limit: int, budget: Budget, state: StateFile[Record] | None = None
+    ) -> None:
+        self.limit = limit
+        self._budget = budget
+        budget.rings += 1
+        self._released = False
+        self.state = state if state is not None else StateFile.create(Record, limit, "ring")
+        self._data = self.state.data
+        self.capacity = self.origin = self.total_at_layout = self.length_at_layout = 0
+        self._total = self.state.total
+        self._length = 0  # length_at_layout + total - total_at_layout
+        # A read may overwrite held bytes (the ring could not grow enough for it): in the
+        # layout before such a read is made.
+        self.saturated = False
+        # Counted in `total` but neither held nor dropped: delivered by a retrieve into
+        # custody (`consume`).
+        self.consumed = 0
+        self.dropped_base = 0  # `dropped` when the replay was last delivered (`consume`)
+        self.on_layout: Callable[[], None] | None = None
+        self.modes = RingModes(self)  # the modes at the oldest byte, for a replay's start
 
     # --- what is delivered, and what an app journaled (escrowd.journal) ------------------
 
@@ -289,13 +231,22 @@ class Ring:
         count = at_most if at_most < room else room
         end = write_at + count
         data = self._data
-        saved = self.modes.save(self._total + count - cap)  # what the read may write over
+        total = self._total
+        modes = self.modes
+        # Only a read that may write over bytes the modes were not read from yet (a ring
+        # that wraps) pays for them: this runs at every read of a fast child.
+        at_risk = total + count - cap > modes.scanned
+        saved = modes.save(total + count - cap) if at_risk else None
         if end <= cap:
             n = os.readv(fd, [data[write_at:end]])
         else:
             n = os.readv(fd, [data[write_at:cap], data[: end - cap]])
-        self.modes.overwritten(saved, self._total + n - cap)
-        self._advance(n)
+        if at_risk:
+            modes.overwritten(saved, total + n - cap)
+        # The bytes are in place: now, and only now, the counter moves (see `_advance`).
+        self._length += n
+        self._total = total = total + n
+        self.state.set_total(total)
         return n
 
     def _make_room(self, at_most: int, overwrite: bool) -> int:

@@ -28,7 +28,8 @@ bends (a control byte inside a sequence). Approximate, and said so where the byt
   which is right for a program that stays in its modes), or that left an app's journal
   before the holder copied it (`skip`): whatever those bytes set is not known;
 - after a holder restart: the modes are stored in the session's record (escrowd.statefile,
-  checked by escrowd.bounds), written when they change, at most once per drain slice. A
+  checked by escrowd.bounds), written when they differ from those recorded, at most once per
+  turn of the drain loop. A
   holder killed before that write, or a record whose position lies before the ring's oldest
   byte (bytes delivered or dropped since), resumes from the ring's oldest byte with the
   modes last recorded, and the one read a kill may tear (`Ring.adopt`) is not looked at.
@@ -41,7 +42,8 @@ from typing import Protocol, TypedDict
 from .modes import Modes, Scanner
 from .statefile import DATA_OFFSET, Record, StateFile
 
-_ESC = b"\x1b"
+# How far past a read's bytes the search for an ESC looks ahead (`RingModes._first_esc`).
+_AHEAD = 64 * 1024
 
 
 class Stored(Protocol):
@@ -69,11 +71,16 @@ class RingModes:
     """One ring's scanner, `scanned` bytes into its stream. `dirty` once the modes (or a
     pending sequence) changed since they were last recorded (`stored`)."""
 
+    __slots__ = ("_ring", "scanner", "scanned", "dirty", "_recorded", "_clean_to")
+
     def __init__(self, ring: Stored) -> None:
         self._ring = ring
         self.scanner = Scanner()
         self.scanned = ring.total
         self.dirty = False
+        self._recorded: tuple[list[int], bytes] | None = None  # as `stored` last gave them
+        # The stored bytes from `scanned` up to this number hold no ESC (see `_first_esc`).
+        self._clean_to = self.scanned
 
     # --- bytes about to leave the storage ------------------------------------------------
 
@@ -82,24 +89,47 @@ class RingModes:
         them: how many, only the read knows): a copy of those not read yet, or None when
         there are none or they change nothing (no ESC, and no sequence pending). (This runs
         at every read: the common path is kept short.)"""
-        start, ring = self.scanned, self._ring
+        start = self.scanned
         if upto <= start:
             return None
+        if not self.scanner.pending:
+            if upto <= self._clean_to:
+                return None
+            self._clean_to = self._first_esc(max(start, self._clean_to), upto + _AHEAD)
+            if upto <= self._clean_to:
+                return None
+        ring = self._ring
+        cap = ring.capacity
+        a = DATA_OFFSET + ring.position(start)
+        b = a + upto - start
+        view = ring.state.memory.view
+        end = DATA_OFFSET + cap
+        if b <= end:
+            return view[a:b].tobytes()
+        return view[a:end].tobytes() + view[DATA_OFFSET : b - cap].tobytes()
+
+    def _first_esc(self, start: int, limit: int) -> int:
+        """The number of the first stored byte from `start` on that is an ESC, or where the
+        search stopped without one: at `limit`, or at the newest byte. One memchr over many
+        reads' worth of bytes, which are stored and read from here on in order, so that
+        plain text does not pay for one at every read."""
+        ring = self._ring
+        limit = min(limit, ring.total)
+        if limit <= start:
+            return start
         cap = ring.capacity
         a = ring.position(start)
-        b = a + upto - start
-        mapping = ring.state.mapping
-        if b <= cap:
-            if not self.scanner.pending and mapping.find(
-                    _ESC, DATA_OFFSET + a, DATA_OFFSET + b) < 0:
-                return None
-            return mapping[DATA_OFFSET + a : DATA_OFFSET + b]
-        if not self.scanner.pending and mapping.find(
-                _ESC, DATA_OFFSET + a, DATA_OFFSET + cap) < 0 and mapping.find(
-                _ESC, DATA_OFFSET, DATA_OFFSET + b - cap) < 0:
-            return None
-        return (mapping[DATA_OFFSET + a : DATA_OFFSET + cap]
-                + mapping[DATA_OFFSET : DATA_OFFSET + b - cap])
+        count = limit - start
+        memory = ring.state.memory
+        first = min(count, cap - a)
+        found = memory.find(27, DATA_OFFSET + a, DATA_OFFSET + a + first)
+        if found >= 0:
+            return start + found - DATA_OFFSET - a
+        if first < count:
+            found = memory.find(27, DATA_OFFSET, DATA_OFFSET + count - first)
+            if found >= 0:
+                return start + first + found - DATA_OFFSET
+        return limit
 
     def overwritten(self, saved: bytes | None, upto: int) -> None:
         """The write is done: the bytes before number `upto` are gone (`saved` is what
@@ -120,11 +150,12 @@ class RingModes:
         cap = ring.capacity
         a = ring.position(start)
         count = upto - start
-        mapping = ring.state.mapping
+        view = ring.state.memory.view
         first = min(count, cap - a)
-        changed = self.scanner.feed(mapping, DATA_OFFSET + a, DATA_OFFSET + a + first)
+        # Copied out: a memoryview has no `find`, which the scanner runs on (a memcpy).
+        changed = self.scanner.feed(view[DATA_OFFSET + a : DATA_OFFSET + a + first].tobytes())
         if first < count:
-            changed |= self.scanner.feed(mapping, DATA_OFFSET, DATA_OFFSET + count - first)
+            changed |= self.scanner.feed(view[DATA_OFFSET : DATA_OFFSET + count - first].tobytes())
         self.dirty |= changed
         self.scanned = upto
 
@@ -148,7 +179,7 @@ class RingModes:
         if self.scanner.pending:
             self.scanner.lose()
             self.dirty = True
-        self.scanned = resume_at
+        self.scanned = self._clean_to = resume_at
 
     # --- where a replay starts -------------------------------------------------------------
 
@@ -171,8 +202,20 @@ class RingModes:
     def stored(self) -> ModesRecord:
         """The record's fields for these modes (and they are recorded from here)."""
         self.dirty = False
-        return {"modes": self.scanner.modes.stored(), "modes_pending": self.scanner.pending,
-                "modes_at": self.scanned}
+        modes, pending = self.scanner.modes.stored(), self.scanner.pending
+        self._recorded = (modes, pending)
+        return {"modes": modes, "modes_pending": pending, "modes_at": self.scanned}
+
+    def to_record(self) -> bool:
+        """Whether the modes (or a pending sequence) differ from those last recorded: a
+        full-screen program hides its cursor and shows it again at every redraw, which
+        changes nothing a record keeps. (Not `dirty` any more if they do not.)"""
+        if not self.dirty:
+            return False
+        if (self.scanner.modes.stored(), self.scanner.pending) == self._recorded:
+            self.dirty = False
+            return False
+        return True
 
     def restore(self, modes: list[int], pending: bytes, at: int) -> None:
         """Take up what a record says (its fields checked by escrowd.bounds), for an adopted
@@ -183,6 +226,6 @@ class RingModes:
         if restored is None or not Scanner.valid_pending(pending):
             restored, pending, at = Modes(), b"", oldest  # (checked already: never)
         self.scanner = Scanner(restored, pending)
-        self.scanned = at
+        self.scanned = self._clean_to = at
         if at < oldest:
             self.lost(oldest)

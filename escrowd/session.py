@@ -6,9 +6,9 @@ mistake is a clean EBADF instead of an action on a reused fd number.
 
 While `held`, the holder does nothing to the fd at all: the app is still its reader and
 shares its open file description (and so its O_NONBLOCK flag) with us. Draining starts when
-custody ends: the flags are saved, O_NONBLOCK is set, and one task reads everything into the
-replay ring. `stop_drain()` returns only once that task has really finished, because a
-cancelled `wait_readable` can still return normally once.
+custody ends: the flags are saved, O_NONBLOCK is set, and the holder's one drain loop reads
+everything into the replay ring (escrowd.drain). `stop_drain()` takes the terminal out of
+that loop at once: no read is ever in flight when it runs.
 """
 
 from __future__ import annotations
@@ -37,6 +37,15 @@ _MAX_SPOTS = 64
 
 
 class Session:
+    # Slots: a holder keeps thousands of these, and a __dict__ each was 1.6 KB.
+    __slots__ = ("token", "store_name", "instance", "store", "private_dir", "owner", "id",
+                 "label", "child_pid", "child_start_time", "cols", "rows", "meta", "fd",
+                 "terminal", "ring", "custodian", "custodian_pid", "custodian_start_time",
+                 "deposited_at", "state_since", "state", "handoff_id", "handoff_peer_pid",
+                 "gap_totals", "journal_from", "journal", "journal_copying",
+                 "journal_ranges", "hung_up", "record_lost", "unsent", "reader",
+                 "watch_scope", "adopted_handoff", "storing")
+
     def __init__(
         self,
         owner: str,
@@ -116,12 +125,11 @@ class Session:
         ring.on_layout = self.persist
 
     def _init_runtime(self, saved_flags: int | None) -> None:
-        """What lives only in this process: the drain task, its poller, a custody watch
-        (and the app's fd flags, which the record keeps too)."""
+        """What lives only in this process: the drain's reader, a custody watch (and the
+        app's fd flags, which the record keeps too)."""
         # handing_off, but its fd not sent yet: the state recorded meanwhile (see persist).
         self.unsent: str | None = None
         self.reader = Reader(self, saved_flags)  # the drain's reading side (escrowd.drain)
-        self._left_loop = False  # trio forgot the fd (a handoff), and no drain came since
         self.watch_scope: trio.CancelScope | None = None  # an adopted custodian's watch
         self.adopted_handoff = False  # handing_off, begun by a holder that has stopped
         # Deposited, its fds not yet confirmed stored: not listed (nothing may take it for
@@ -220,46 +228,37 @@ class Session:
     # --- draining (the reading itself: escrowd.drain) -----------------------------------
 
     def start_drain(self, nursery: trio.Nursery, reason: str) -> None:
-        """Become the reader: save the fd's flags, make it non-blocking, start the drain."""
-        assert not self.reader.running, "one drain task per session"
+        """Become the reader: save the fd's flags, make it non-blocking, and drain it in
+        the holder's drain loop (escrowd.drain; started in `nursery` if it is not running)."""
+        assert not self.reader.running, "one drain per session"
         if self.journal_from is not None:
             journal.end(self)  # the app recorded until now; from here on, we read
-        scope, done = self.reader.begin()
-        self._left_loop = False
+        self.reader.begin(nursery)
         self.set_state("draining", reason)
-        nursery.start_soon(self._drain, scope, done)
 
-    async def _drain(self, scope: trio.CancelScope, done: trio.Event) -> None:
-        try:
-            with scope:
-                await self._drain_until_hangup()
-        finally:
-            done.set()
-
-    async def _drain_until_hangup(self) -> None:
-        await self.reader.read_until_hangup()
-        # Drain first, then mark: the reader returned only after a read failed, so every
-        # byte written before the hangup is in the ring. (A handoff may be stopping this
-        # task right now: it reads `hung_up` instead.)
+    def drained_to_hangup(self) -> None:
+        """The drain read the terminal to its hangup: every byte written before it is in
+        the ring, so now it may be said. (A handoff that stopped the drain reads `hung_up`
+        instead.)"""
         if self.state == "draining":
             self.set_state("exited", "terminal hung up")
 
     def cancel_drain(self) -> None:
-        """Ask the drain task to stop; `stop_drain` waits for it."""
-        self.reader.cancel()
+        """Stop draining, now: the drain loop does not read this terminal again."""
+        self.reader.stop()
 
     async def stop_drain(self) -> None:
-        """Stop the drain task and wait until it has really finished (idempotent; see
-        `Reader.stop`). The caller checks `has_drain()`: another waiter may have started
-        a new one meanwhile."""
-        await self.reader.stop()
+        """Stop draining (idempotent). It is over when this returns, without a checkpoint:
+        the drain loop never has a read in flight while another task runs (escrowd.drain).
+        The caller checks `has_drain()` all the same, as a wait may come before it."""
+        self.reader.stop()
 
     def forget_drain(self) -> None:
         """The nursery the drain ran in has exited (the holder is stopping)."""
-        self.reader.forget()
+        self.reader.stop()
 
     def has_drain(self) -> bool:
-        """True from `start_drain` until a `stop_drain` has completed."""
+        """True from `start_drain` until a `stop_drain`."""
         return self.reader.running
 
     def pull(self, overwrite: bool, at_most: int | None = None) -> bool:
@@ -268,10 +267,9 @@ class Session:
         return self.reader.pull(overwrite, at_most)
 
     def leave_event_loop(self) -> None:
-        """Before the fd goes to another process: restore the app's flags and tell trio to
-        forget it (a cancelled wait stays registered in epoll until notify_closing)."""
+        """Before the fd goes to another process: restore the app's flags (the drain has
+        stopped, so it is read no more)."""
         self.reader.leave_event_loop()
-        self._left_loop = True
 
     def close(self) -> None:
         """Close the holder's copy of the master. The drain must be stopped first."""
@@ -280,8 +278,8 @@ class Session:
             self.watch_scope.cancel()
         journal.close_journal(self)
         if self.fd >= 0:
-            if not self._left_loop:  # (else trio has forgotten it already: a syscall saved)
-                trio.lowlevel.notify_closing(self.fd)
+            # (No notify_closing: trio never waits on a terminal; the drain loop's set
+            # forgot it when the drain stopped.)
             fd, self.fd = self.fd, -1
             os.close(fd)
         self.ring.release()

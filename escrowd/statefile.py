@@ -21,17 +21,15 @@ Nothing here can be torn by a SIGKILL at any instruction:
 The file is created sparse (sized to the ring's limit, backed only where written), so
 resident memory follows the replay actually held. On Linux it is a sealed memfd (nobody
 can grow or shrink it under a mapping); on macOS an unlinked file in the holder's private
-socket directory.
+socket directory. It is mapped without a second fd (escrowd.shm).
 """
 
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import struct
 import sys
-import tempfile
 import zlib
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
@@ -39,7 +37,9 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from escrow_client.journal import FIXED as _FIXED
-from escrow_client.journal import MAX_WRITE, TOTAL_OFFSET, unmap
+from escrow_client.journal import MAX_WRITE, TOTAL_OFFSET
+
+from .shm import Mapping, new_file
 
 MAGIC = b"ESCROWSF"
 LAYOUT_VERSION = 1
@@ -131,6 +131,9 @@ class StateFile(Generic[R]):
     the mapping; `close()` releases both (the file lives on while another process, such as
     the fd store, holds a copy of the fd)."""
 
+    __slots__ = ("fd", "size", "data", "_memory", "_view", "_decoder", "_total", "_slot_seq",
+                 "_newest_slot", "_seq")
+
     def __init__(self, fd: int, kind: type[R]) -> None:
         """Map an existing state file and check its fixed header (CorruptState if it is
         not one). The caller gives up `fd` to this object, also on error."""
@@ -138,20 +141,21 @@ class StateFile(Generic[R]):
             length = os.fstat(fd).st_size
             if length < DATA_OFFSET:
                 raise CorruptState(f"{length} bytes is too short for a state file")
-            self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._memory: Mapping | None = Mapping(fd, length)
         except (OSError, ValueError) as exc:
             os.close(fd)
             raise CorruptState(f"cannot map the state file: {exc}") from None
         self.fd = fd
         self._decoder: msgspec.msgpack.Decoder[R] = _decoders[kind]
-        self._view = memoryview(self._mm)
+        self._view = view = self._memory.view
+        self.data = self._total = view[:0]  # (until the header is checked)
         try:
-            magic, version, crc, data_offset, size = _FIXED.unpack_from(self._mm, 0)
+            magic, version, crc, data_offset, size = _FIXED.unpack_from(view, 0)
             if magic != MAGIC:
                 raise CorruptState("not a state file (bad magic)")
             if version != LAYOUT_VERSION:
                 raise CorruptState(f"state file layout {version}, not {LAYOUT_VERSION}")
-            if crc != _fixed_crc(self._mm[:TOTAL_OFFSET]):
+            if crc != _fixed_crc(view[:TOTAL_OFFSET].tobytes()):
                 raise CorruptState("the state file's header fails its checksum")
             if data_offset != DATA_OFFSET or data_offset + size > length:
                 raise CorruptState("the state file's data area does not fit the file")
@@ -159,19 +163,17 @@ class StateFile(Generic[R]):
             self.close()
             raise
         self.size = int(size)
-        self.data = self._view[DATA_OFFSET : DATA_OFFSET + self.size]
-        self._total = self._view[TOTAL_OFFSET : TOTAL_OFFSET + 8].cast("Q")
-        self._slot_seq: dict[int, int] = {}
+        self.data = view[DATA_OFFSET : DATA_OFFSET + self.size]
+        self._total = view[TOTAL_OFFSET : TOTAL_OFFSET + 8].cast("Q")
+        self._slot_seq = [-1] * len(_SLOTS)  # each slot's sequence number (-1: none valid)
         self._newest_slot: int | None = None
-        self._seq: int
-        self._newest: R | None
-        self._seq, self._newest = self._scan()
+        self._seq = self._scan()
 
     @classmethod
     def create(cls, kind: type[R], size: int, name: str,
                private_dir: str | None = None) -> StateFile[R]:
         """A new, empty state file with a data area of `size` bytes (sparse)."""
-        fd = _new_file(name, private_dir)
+        fd = new_file(name, private_dir)
         try:
             os.ftruncate(fd, DATA_OFFSET + size)
             if sys.platform == "linux":
@@ -188,10 +190,11 @@ class StateFile(Generic[R]):
         return cls(fd, kind)
 
     @property
-    def mapping(self) -> mmap.mmap:
-        """The whole file, mapped: `data` is at DATA_OFFSET in it (an mmap finds a byte
-        with memchr, which a memoryview cannot: escrowd.ring_modes)."""
-        return self._mm
+    def memory(self) -> Mapping:
+        """The whole file, mapped: `data` is at DATA_OFFSET in it (and `find` is a memchr,
+        which a memoryview has not: escrowd.ring_modes)."""
+        assert self._memory is not None, "the state file is closed"
+        return self._memory
 
     # --- the hot counter -------------------------------------------------------------------
 
@@ -206,8 +209,13 @@ class StateFile(Generic[R]):
     # --- records -----------------------------------------------------------------------------
 
     def record(self) -> R | None:
-        """The newest valid record, or None if none was ever written."""
-        return self._newest
+        """The newest valid record, or None if none was ever written. Read from its slot
+        each time (rarely: a holder that adopts the file, or checks itself): a holder keeps
+        thousands of state files, and a copy of each record in memory was half a KB."""
+        if self._newest_slot is None:
+            return None
+        found = _read_slot(self.fd, self._newest_slot, self._decoder)
+        return found[1] if found is not None else None
 
     def write(self, record: R) -> None:
         """Write `record` into a slot that does not hold the newest valid one, then it is
@@ -222,30 +230,40 @@ class StateFile(Generic[R]):
             if not fits:
                 raise ValueError(f"a record of {len(payload)} bytes does not fit a slot")
             # Prefer page 0 (already resident), and the slot written longest ago.
-            target = min(fits, key=lambda i: (i >= 2, self._slot_seq.get(i, -1)))
+            target = min(fits, key=lambda i: (i >= 2, self._slot_seq[i]))
         seq = self._seq + 1
         offset, _ = _SLOTS[target]
         head_at, body_at = offset, offset + _SLOT_HEAD.size
-        self._mm[body_at : body_at + len(payload)] = payload
+        self._view[body_at : body_at + len(payload)] = payload
         crc = zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, len(payload))))
-        _SLOT_HEAD.pack_into(self._mm, head_at, seq, len(payload), crc)
-        self._seq, self._newest, self._newest_slot = seq, record, target
+        _SLOT_HEAD.pack_into(self._view, head_at, seq, len(payload), crc)
+        self._seq, self._newest_slot = seq, target
         self._slot_seq[target] = seq
 
-    def _scan(self) -> tuple[int, R | None]:
-        """The newest valid record and its sequence number; fills `_slot_seq` with the
-        sequence number of every valid slot."""
-        best: tuple[int, R | None] = (0, None)
-        for i, seq, record in _valid_slots(self.fd, self._decoder):
+    def _scan(self) -> int:
+        """The newest valid record's sequence number (0: none), its slot in `_newest_slot`;
+        fills `_slot_seq` with the sequence number of every valid slot."""
+        best = 0
+        for i, seq, _ in _valid_slots(self.fd, self._decoder):
             self._slot_seq[i] = seq
-            if seq > best[0]:
-                best = (seq, record)
+            if seq > best:
+                best = seq
                 self._newest_slot = i
         return best
 
     def close(self) -> None:
         """Unmap and close (idempotent). Views handed out (`data`) must not be used after."""
-        unmap(self, ("data", "_total", "_view"))
+        for view in (self.data, self._total):
+            try:
+                view.release()
+            except BufferError:  # in use right now: the mapping is not unmapped under it
+                pass
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            memory.close()
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 def newest_record(fd: int) -> Record | None:
@@ -261,41 +279,37 @@ def newest_record(fd: int) -> Record | None:
 
 def _valid_slots(fd: int, decoder: msgspec.msgpack.Decoder[R]) -> Iterator[tuple[int, int, R]]:
     """(slot, sequence number, record) of every slot of `fd` holding a whole record."""
-    for i, (offset, size) in enumerate(_SLOTS):
-        # Read with pread, not through the mapping: a slot never written is a hole, and
-        # touching it through a shared mapping would allocate a page of memory (two per
-        # session, for the big slots) just to read zeros.
+    for i in range(len(_SLOTS)):
         try:
-            head = os.pread(fd, _SLOT_HEAD.size, offset)
+            found = _read_slot(fd, i, decoder)
         except OSError:
             return
-        if len(head) < _SLOT_HEAD.size:
-            continue
-        seq, length, crc = _SLOT_HEAD.unpack(head)
-        if seq == 0 or length > size - _SLOT_HEAD.size:
-            continue
-        try:
-            payload = os.pread(fd, length, offset + _SLOT_HEAD.size)
-        except OSError:
-            return
-        if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
-            continue  # torn, or never finished
-        try:
-            yield i, seq, decoder.decode(payload)
-        except msgspec.DecodeError:
-            continue
+        if found is not None:
+            yield i, found[0], found[1]
+
+
+def _read_slot(fd: int, i: int, decoder: msgspec.msgpack.Decoder[R]) -> tuple[int, R] | None:
+    """(sequence number, record) of slot `i` of `fd`, if it holds a whole record."""
+    offset, size = _SLOTS[i]
+    # Read with pread, not through the mapping: a slot never written is a hole, and
+    # touching it through a shared mapping would allocate a page of memory (two per
+    # session, for the big slots) just to read zeros.
+    head = os.pread(fd, _SLOT_HEAD.size, offset)
+    if len(head) < _SLOT_HEAD.size:
+        return None
+    seq, length, crc = _SLOT_HEAD.unpack(head)
+    if seq == 0 or length > size - _SLOT_HEAD.size:
+        return None
+    payload = os.pread(fd, length, offset + _SLOT_HEAD.size)
+    if zlib.crc32(payload, zlib.crc32(struct.pack("=QI", seq, length))) != crc:
+        return None  # torn, or never finished
+    try:
+        return seq, decoder.decode(payload)
+    except msgspec.DecodeError:
+        return None
 
 
 def _fixed_crc(head: bytes) -> int:
     """CRC-32 of the fixed header's static fields (`head` is its first TOTAL_OFFSET bytes:
     everything but the CRC itself and the hot counter)."""
     return zlib.crc32(head[16:TOTAL_OFFSET], zlib.crc32(head[:12]))
-
-
-def _new_file(name: str, private_dir: str | None) -> int:
-    if sys.platform == "linux":
-        return os.memfd_create(f"escrowd:{name}"[:249], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    # macOS has no memfd: an unlinked file in the holder's private (0700) directory.
-    fd, path = tempfile.mkstemp(prefix=".state-", dir=private_dir)
-    os.unlink(path)
-    return fd

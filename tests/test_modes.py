@@ -23,6 +23,7 @@ from test_ring import pipe
 
 from escrowd.modes import LONGEST, MODE_NAMES, STACK, Modes, Scanner
 from escrowd.ring import MIN_CAPACITY, Ring, RingBudget
+from escrowd.ring_modes import RingModes
 from escrowd.statefile import Record, StateFile
 
 E = b"\x1b"
@@ -419,11 +420,18 @@ def test_a_ring_with_no_storage_reads_what_it_drops() -> None:
     ring.release()
 
 
-def test_plain_text_is_never_copied_out_before_it_is_overwritten() -> None:
+def test_plain_text_is_never_copied_out_before_it_is_overwritten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ring = Ring(MIN_CAPACITY, RingBudget(1 << 30))
     saved: list[bytes | None] = []
-    save = ring.modes.save
-    ring.modes.save = lambda upto: saved.append(save(upto)) or saved[-1]  # type: ignore[method-assign]
+    save = RingModes.save
+
+    def recording(self: RingModes, upto: int) -> bytes | None:
+        saved.append(save(self, upto))
+        return saved[-1]
+
+    monkeypatch.setattr(RingModes, "save", recording)
     with pipe() as (r, w):
         for _ in range(8):
             os.write(w, b"x" * 4000)

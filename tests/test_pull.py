@@ -5,7 +5,7 @@ someone cleared O_NONBLOCK on the shared open file description; one call reads a
 slice (plus one read), so a fast child cannot starve the event loop; and after a hangup every
 byte written before it is in the ring first (drain, then mark).
 
-The drain task around it (`Session.start_drain`, under trio in this process) keeps two more:
+The drain loop around it (`Session.start_drain`, under trio in this process) keeps two more:
 `exited` is set only once the whole tail is in the ring, and a surprise from one read is
 logged and retried, never the end of draining.
 """
