@@ -9,9 +9,16 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# Three functions share their names with their modules, and importing a module binds its
+# name on the package: were they lazy, the first `import escrow_client.repaint` anywhere
+# would make `escrow_client.repaint` the module for everyone after. They cost about a
+# millisecond, so they are imported now.
+from .after_replay import after_replay
+from .repaint import repaint
+from .safe_replay import safe_replay
+
 TYPE_CHECKING = False  # `typing` is not imported for it; mypy takes any TYPE_CHECKING as true
 if TYPE_CHECKING:
-    from .after_replay import after_replay
     from .client import EscrowClient
     from .custody import Custody
     from .errors import (
@@ -38,9 +45,7 @@ if TYPE_CHECKING:
     )
     from .protocol import HolderStatus, SessionInfo
     from .reclaim import ReclaimReport
-    from .repaint import repaint
     from .retrieved import Retrieved
-    from .safe_replay import safe_replay
 
 __all__ = [
     "AckLate",
@@ -79,7 +84,6 @@ __all__ = [
 _HOMES = {
     "EscrowClient": "client", "Custody": "custody", "ReclaimReport": "reclaim",
     "Retrieved": "retrieved", "HolderStatus": "protocol", "SessionInfo": "protocol",
-    "after_replay": "after_replay", "repaint": "repaint", "safe_replay": "safe_replay",
 }
 
 
