@@ -174,9 +174,7 @@ class Keeper:
             os.close(wake_w)
             self._close_channel()
             self.standbys.drop()
-            for fds in self.store.values():
-                close_fds(fds)
-            self.store.clear()
+            self._close_store()
         log("keeper_stopped", pid=os.getpid())
         return 0
 
@@ -272,10 +270,9 @@ class Keeper:
                                _holder_env())
         if self.upgrade_at is not None and (self.standbys.ready
                                             or time.monotonic() >= self.upgrade_at):
-            self.upgrade_at = None
-            if self.holder is not None:
-                self.upgrading = True
-                self._stop_holder()
+            # (upgrading only with a holder to stop: else every later SIGHUP is ignored)
+            self.upgrade_at, self.upgrading = None, self.holder is not None
+            self._stop_holder()
 
     def _not_started(self, reason: str) -> None:
         log("keeper_cannot_start_holder", reason=reason, retry_in=round(self.backoff, 3))
@@ -323,8 +320,7 @@ class Keeper:
     def _holder_exited(self, code: int) -> None:
         lived = time.monotonic() - self.holder_started
         was_ready = self.last_ping is not None
-        self.holder, self.last_ping, self.stop_deadline = None, None, None
-        self.ready_by = None
+        self.holder, self.last_ping, self.stop_deadline, self.ready_by = None, None, None, None
         # An upgrade's stop was for this holder: the next one runs the installed code.
         upgrading, self.upgrading, self.upgrade_at = self.upgrading, False, None
         log("keeper_holder_exited", code=code, lived=round(lived, 3), stored=len(self.store))
@@ -366,8 +362,7 @@ class Keeper:
             _kill(self.holder, "watchdog: no ping")
             self.last_ping = None
         elif self.ready_by is not None and now >= self.ready_by:
-            _kill(self.holder, f"not ready within {READY_DEADLINE:g} s of its start (frozen, "
-                  "or stuck adopting)")
+            _kill(self.holder, f"not ready {READY_DEADLINE:g} s after its start (frozen?)")
             self.ready_by = None
 
     # --- the holder's notifications (escrowd.notify) -----------------------------------------
@@ -375,6 +370,11 @@ class Keeper:
     def _messages(self) -> None:
         if self.channel is not None:
             read_notifications(self.channel, self.store, self.holder, self._pinged)
+
+    def _close_store(self) -> None:
+        for fds in self.store.values():
+            close_fds(fds)
+        self.store.clear()
 
     def _pinged(self) -> None:
         self.last_ping, self.ready_by = time.monotonic(), None
