@@ -20,6 +20,7 @@ from . import log as log_file
 from .config import Config, MiB
 from .lifecycle import StartupError
 from .log import log
+from .names import STANDBY_FD_ENV
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bare:
         return keeper.main(config, sys.argv[1:] if argv is None else argv)
     keeper_pid = _keeper_pid()
+    if keeper_pid is None and STANDBY_FD_ENV in os.environ:
+        # A standby whose keeper died while it started: as a holder it would take the lock
+        # and the socket path from a holder that still serves every session, with nothing.
+        print("escrowd: a standby whose keeper is gone: exiting", file=sys.stderr)
+        return 1
     if keeper_pid is not None:
         # The keeper's to judge (see _watch_signals): Ctrl-C, and the hangup a shell passes
         # on to its jobs when its terminal closes, reach the holder too.

@@ -68,6 +68,13 @@ KEEPER_ENV = "ESCROWD_KEEPER_PID"  # tells the holder who keeps its fds (its par
 LISTENER_NAME = "escrowd.socket"  # as systemd names a .socket unit's fd
 WATCHDOG_SECONDS = 30.0  # a holder whose event loop does not ping for this long is killed
 STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
+# A started holder (exec'd, or a standby sent its takeover) that is not READY this long after
+# is killed, and the next one exec'd. Adoption comes before READY: 10,000 sessions take a
+# holder about 3 s (a cold restart with 1,000 is 0.3 s, docs/performance.md), and a loaded
+# machine can be ten times slower; a holder frozen (SIGSTOP, a freezer) would otherwise hang the
+# escrow for good, every connection waiting in the backlog. The watchdog's figure too: a
+# ready holder whose loop stalls this long is killed just the same.
+READY_DEADLINE = 30.0
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
 _RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
 _OWN_FDS = 64  # what the keeper needs for itself, beyond the fds it stores
@@ -126,6 +133,7 @@ class Keeper:
         self.holder: int | None = None
         self.holder_started = 0.0
         self.last_ping: float | None = None  # of the running holder, once it is ready
+        self.ready_by: float | None = None  # the running holder is killed if not READY then
         self.restart_at = 0.0
         self.backoff = _BACKOFF_FIRST
         self.recent: list[float] = []  # when holders exited, within the last _STABLE seconds
@@ -192,10 +200,7 @@ class Keeper:
             due.append(now + 0.05)  # an upgrade's trial run: look again soon
         if self.last_ping is not None:
             due.append(self.last_ping + WATCHDOG_SECONDS)
-        if self.stop_deadline is not None:
-            due.append(self.stop_deadline)
-        if self.upgrade_at is not None:
-            due.append(self.upgrade_at)
+        due += [t for t in (self.ready_by, self.stop_deadline, self.upgrade_at) if t is not None]
         if self.last_ping is not None and self.standbys.current is None and not self.stopping:
             due.append(self.standbys.start_at)
         if not due:
@@ -205,12 +210,7 @@ class Keeper:
     def _signals(self, received: bytes) -> None:
         for signum in received:
             if signum == signal.SIGINT and not self.stopping and _sessions(self.store):
-                n = _sessions(self.store)
-                log("keeper_interrupt", sessions=n, reason=(
-                    f"not stopping: {n} session(s) are escrowed, and their terminals would "
-                    f"hang up. To stop anyway: escrowctl stop --force, or kill -TERM "
-                    f"{os.getpid()}. To leave them escrowed, close this terminal: escrowd "
-                    "serves on, and logs to its socket's .log file"))
+                _not_interrupted(_sessions(self.store))
             elif signum in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
                 log("keeper_stopping", reason=signal.Signals(signum).name)
                 self.stopping = True
@@ -250,11 +250,15 @@ class Keeper:
             mine.close()
             self._not_started(f"cannot fork: {exc.strerror}")
             return
+        except BaseException:
+            mine.close()
+            raise
         finally:
             theirs.close()
         self.channel = mine
         self.poller.register(mine, select.POLLIN)
         self.holder, self.holder_started, self.last_ping = pid, time.monotonic(), None
+        self.ready_by = self.holder_started + READY_DEADLINE
         log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 2,
             via="standby" if self.from_standby else "exec")
 
@@ -266,7 +270,8 @@ class Keeper:
                                _holder_env())
         if self.upgrade_at is not None and (self.standbys.ready
                                             or time.monotonic() >= self.upgrade_at):
-            self.upgrade_at, self.upgrading = None, True
+            # (upgrading only with a holder to stop: else every later SIGHUP is ignored)
+            self.upgrade_at, self.upgrading = None, self.holder is not None
             self._stop_holder()
 
     def _not_started(self, reason: str) -> None:
@@ -282,6 +287,8 @@ class Keeper:
 
     def _stop_holder(self) -> None:
         if self.holder is not None and self.stop_deadline is None:  # signalled once only
+            log("keeper_stopping_holder", holder_pid=self.holder,
+                reason="upgrade" if self.upgrading else "stopping")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.holder, signal.SIGTERM)
             self.stop_deadline = time.monotonic() + STOP_GRACE
@@ -313,7 +320,9 @@ class Keeper:
     def _holder_exited(self, code: int) -> None:
         lived = time.monotonic() - self.holder_started
         was_ready = self.last_ping is not None
-        self.holder, self.last_ping, self.stop_deadline = None, None, None
+        self.holder, self.last_ping, self.stop_deadline, self.ready_by = None, None, None, None
+        # An upgrade's stop was for this holder: the next one runs the installed code.
+        upgrading, self.upgrading, self.upgrade_at = self.upgrading, False, None
         log("keeper_holder_exited", code=code, lived=round(lived, 3), stored=len(self.store))
         if self.stopping:
             return
@@ -323,8 +332,7 @@ class Keeper:
             self.standbys.exec_next = True
             self.restart_at = time.monotonic()
             return
-        if self.upgrading:
-            self.upgrading = False
+        if upgrading:
             self.restart_at, self.backoff = 0.0, _BACKOFF_FIRST
             return
         if code == 0 and not self.store:
@@ -348,15 +356,14 @@ class Keeper:
         if self.holder is None:
             return
         if self.stop_deadline is not None and now >= self.stop_deadline:
-            log("keeper_kill", holder_pid=self.holder, reason="did not stop in time")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.holder, signal.SIGKILL)
+            _kill(self.holder, "did not stop in time")
             self.stop_deadline = None
         elif self.last_ping is not None and now >= self.last_ping + WATCHDOG_SECONDS:
-            log("keeper_kill", holder_pid=self.holder, reason="watchdog: no ping")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.holder, signal.SIGKILL)
+            _kill(self.holder, "watchdog: no ping")
             self.last_ping = None
+        elif self.ready_by is not None and now >= self.ready_by:
+            _kill(self.holder, f"not ready {READY_DEADLINE:g} s after its start (frozen?)")
+            self.ready_by = None
 
     # --- the holder's notifications (escrowd.notify) -----------------------------------------
 
@@ -370,9 +377,23 @@ class Keeper:
         self.store.clear()
 
     def _pinged(self) -> None:
-        self.last_ping = time.monotonic()
+        self.last_ping, self.ready_by = time.monotonic(), None
         if not self.from_standby:
             self.standbys.exec_next = False
+
+
+def _kill(holder: int, reason: str) -> None:
+    log("keeper_kill", holder_pid=holder, reason=reason)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(holder, signal.SIGKILL)
+
+
+def _not_interrupted(sessions: int) -> None:
+    log("keeper_interrupt", sessions=sessions, reason=(
+        f"not stopping: {sessions} session(s) are escrowed, and their terminals would hang "
+        f"up. To stop anyway: escrowctl stop --force, or kill -TERM {os.getpid()}. To leave "
+        "them escrowed, close this terminal: escrowd serves on, and logs to its socket's "
+        ".log file"))
 
 
 def _sessions(store: dict[str, list[int]]) -> int:

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Callable
 
 from escrow_client.fdpass import close_fds
-from escrow_client.platform import PASSCRED, RECV_FLAGS, SEND_FLAGS
+from escrow_client.platform import PASSCRED, RECV_FLAGS, SEND_FLAGS, mark_cloexec
 
 from .log import log
 from .names import STORE_FAILED, STORE_ID, STORED, is_store_name
@@ -57,6 +57,7 @@ def read_notifications(channel: socket.socket, store: dict[str, list[int]],
         except (BlockingIOError, InterruptedError):
             return
         fds, sender = _unpack(ancdata)
+        mark_cloexec(fds)  # macOS cannot at receipt: a stored fd inherited by a standby's exec
         fields = _fields(data)
         if sender is not None and sender != holder:
             close_fds(fds)  # only the holder we started may store fds here

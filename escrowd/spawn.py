@@ -34,6 +34,7 @@ def fork_holder(argv: list[str], env: dict[str, str], fds: list[int], names: lis
     if pid == 0:  # the child: nothing here may return to the keeper's loop
         try:
             keepers_end.close()
+            env.pop(STANDBY_FD_ENV, None)  # a holder, not a standby: whatever the keeper had
             holder_environment(env, names, watchdog, os.getpid())
             _exec(argv, fds, env)
         except BaseException as exc:

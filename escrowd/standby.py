@@ -14,16 +14,18 @@ the next standby is started once it says READY.
 What a standby costs when it fails is a fresh exec, as before there were standbys:
 - A standby that dies while it waits (or before it is ready) is reaped and replaced, with
   back-off if it keeps dying: it held nothing.
-- A takeover whose send fails (the standby died, hangs, or is out of room) kills the
-  standby, and reaps it before anything else starts, and the keeper execs a holder. One that
-  took over and died before READY is a failed takeover too: the next holder is exec'd at
-  once, and standbys are used again once an exec'd holder has served (`exec_next`).
+- A takeover that is not sent and taken (TAKEN) within its deadline (the standby died,
+  hangs, is frozen, or is out of room) SIGKILLs the standby before anything else starts,
+  and the keeper execs a holder; the dead standby is reaped when it is gone. One that took
+  over and died, or was not READY within the keeper's deadline (escrowd.keeper), is a
+  failed takeover too: the next holder is exec'd at once, and standbys are used again once
+  an exec'd holder has served (`exec_next`).
 - An upgrade (SIGHUP) that passed its trial run discards the standby, which runs the code
   that was installed when it started, and starts one of the new code before the old holder
   is stopped (`renew`): a standby older than the installed code never serves after an
   upgrade. (Code installed with no upgrade asked for is served by the next exec'd holder,
   as it always was, and by no standby started before it.)
-- Stopping, the keeper kills and reaps its standby.
+- Stopping, the keeper kills its standby.
 
 Under systemd there is no keeper and no standby: systemd starts each holder by exec.
 """
@@ -43,10 +45,13 @@ from .log import log
 from .names import rights_for
 from .spawn import fork_standby
 
-# The standby says READY once loaded; each batch of fds rides on one BATCH byte.
-READY, BATCH = b"R", b"F"
+# The standby says READY once loaded; each batch of fds rides on one BATCH byte; it says
+# TAKEN once it has every fd of a takeover.
+READY, BATCH, TAKEN = b"R", b"F", b"T"
 MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
-TAKEOVER_DEADLINE = 2.0  # to send a whole takeover; a standby that takes longer is killed
+# For a whole takeover to be sent and taken; a standby that takes longer is killed. Taken,
+# not sent: the kernel queues a takeover of 70,000 fds for a standby that never reads.
+TAKEOVER_DEADLINE = 2.0
 # A standby starts this long after its holder is ready, so that loading it (a holder's
 # imports: a core for 150 ms and more) does not slow the new holder's first requests.
 START_DELAY = 1.0
@@ -79,6 +84,7 @@ class Standbys:
         self.backoff = _BACKOFF_FIRST
         self.exec_next = False  # a takeover failed: the next holder is exec'd
         self.delayed = False  # start_at already counts START_DELAY for the next standby
+        self.dying: list[int] = []  # standbys killed, not yet reaped
 
     @property
     def ready(self) -> bool:
@@ -138,7 +144,16 @@ class Standbys:
         return self.current.sock.fileno() if self.current is not None else None
 
     def reap(self) -> None:
-        """Reap the standby if it exited, and say when the next may start."""
+        """Reap the standby if it exited, and say when the next may start; and those killed,
+        once they are gone."""
+        for pid in list(self.dying):
+            try:
+                done = os.waitpid(pid, os.WNOHANG)[0]
+            except ChildProcessError:
+                done = pid
+            if done:
+                self.dying.remove(pid)
+                log("keeper_standby_reaped", standby_pid=pid)
         standby = self.current
         if standby is None:
             return
@@ -160,20 +175,22 @@ class Standbys:
                   watchdog: float) -> int | None:
         """Tell the standby to serve (`hand_over`) if one is ready, of the installed code,
         and no takeover failed since an exec'd holder last served; its pid if it took
-        everything. None otherwise: a standby that failed is dead and reaped by then, so
-        that it cannot serve beside the holder exec'd instead."""
+        everything. None otherwise: a standby that failed is SIGKILLed by then, so that
+        it cannot serve beside the holder exec'd instead."""
         standby = self.current
         if (standby is None or not standby.ready or standby.generation != self.generation
                 or self.exec_next):
             return None
         self.current = None
-        self.poller.unregister(standby.sock)
+        if standby.polled:  # (not if its EOF was read: it died with the holder, say)
+            self.poller.unregister(standby.sock)
+            standby.polled = False
         try:
             hand_over(standby, fds, names, fdstore, watchdog)
         except OSError as exc:
             log("keeper_standby_failed", standby_pid=standby.pid, error=repr(exc),
                 reason="starting a holder by exec instead")
-            kill(standby)
+            self._kill(standby)
             return None
         standby.sock.close()
         return standby.pid
@@ -189,7 +206,11 @@ class Standbys:
         if standby is not None:
             if standby.polled:
                 self.poller.unregister(standby.sock)
-            kill(standby)
+            self._kill(standby)
+
+    def _kill(self, standby: Standby) -> None:
+        kill(standby)
+        self.dying.append(standby.pid)
 
     def _forget(self, standby: Standby) -> None:
         if standby.polled:
@@ -202,9 +223,10 @@ class Standbys:
 def hand_over(standby: Standby, fds: list[int], names: list[str], fdstore: int,
               watchdog: float) -> None:
     """Tell `standby` to serve with `fds` (the listener and every stored fd, named `names`,
-    then its end of the notify channel), within TAKEOVER_DEADLINE; the keeper keeps its own
-    copies. OSError (TimeoutError, BrokenPipeError...) if not all of it was sent: then the
-    standby must be killed before any other holder starts."""
+    then its end of the notify channel), and have it say it took them all, within
+    TAKEOVER_DEADLINE; the keeper keeps its own copies. OSError (TimeoutError,
+    BrokenPipeError...) if not all of it was sent and taken: then the standby must be killed
+    before any other holder starts."""
     deadline = time.monotonic() + TAKEOVER_DEADLINE
     sock = standby.sock
     order = "\n".join((f"FDS={len(fds)}", f"LISTEN_FDNAMES={':'.join(names)}",
@@ -212,6 +234,13 @@ def hand_over(standby: Standby, fds: list[int], names: list[str], fdstore: int,
     _send(sock, len(order).to_bytes(4, "big") + order, [], deadline)
     for start in range(0, len(fds), MAX_FDS_PER_MESSAGE):
         _send(sock, BATCH, fds[start:start + MAX_FDS_PER_MESSAGE], deadline)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the standby did not take the takeover in time")
+    sock.settimeout(left)
+    answer = sock.recv(1)  # TimeoutError if it does not come
+    if answer != TAKEN:
+        raise ConnectionError(f"the standby answered {answer!r} to its takeover")
 
 
 def _send(sock: socket.socket, data: bytes, fds: list[int], deadline: float) -> None:
@@ -227,11 +256,11 @@ def _send(sock: socket.socket, data: bytes, fds: list[int], deadline: float) -> 
 
 
 def kill(standby: Standby) -> None:
-    """Kill `standby` and reap it (it dies at once: SIGKILL), so that nothing it was sent
-    can be served by it once this returns. Its socket is closed."""
+    """SIGKILL `standby`, so that nothing it was sent can be served by it once this returns
+    (a process sent SIGKILL never runs its own code again), and close its socket. It is
+    reaped later (`Standbys.reap`): one that cannot die at once (in D state, frozen, or a
+    zombie its tracer holds) must not hang the keeper's loop."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(standby.pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(standby.pid, 0)
     standby.sock.close()
     log("keeper_standby_killed", standby_pid=standby.pid)

@@ -25,6 +25,14 @@ a holder by exec instead (a standby that fails costs nothing but that):
 - An order it cannot read, fewer or more fds than it says, a batch the kernel cut short
   (MSG_CTRUNC: the standby is out of fds), or an fd of its own where a passed one must go:
   every fd it received is closed (the keeper keeps its own copies) and it exits 1.
+
+Except when the keeper died: then its copies died with it, and what the standby was sent
+may be the only copy of some sessions. A keeper that lives never closes a standby's socket
+mid-takeover without killing it first (escrowd.standby), so a takeover cut short (EOF
+before every batch came, or no one to say TAKEN to) is the keeper's death once the
+standby's parent changes: it serves what arrived, as a holder exec'd by a keeper that died
+would have had it all: the listener and the stored fds that came, their names trimmed to
+match, and no channel to a store (the holder serves on alone, escrowd.serving).
 """
 
 from __future__ import annotations
@@ -34,16 +42,20 @@ import os
 import socket
 import struct
 import sys
+import time
 
 from escrow_client.fdpass import close_fds
 from escrow_client.platform import RECV_FLAGS, SEND_FLAGS
 
-from .names import STANDBY_FD_ENV
+from .names import NOTIFY_FD_ENV, STANDBY_FD_ENV
 from .spawn import holder_environment
-from .standby import BATCH, MAX_FDS_PER_MESSAGE, READY
+from .standby import BATCH, MAX_FDS_PER_MESSAGE, READY, TAKEN
 
 ORDER_HEADER = struct.Struct("!I")
 MAX_ORDER_BYTES = 16 << 20  # names for far more fds than any store holds
+# How long an EOF mid-takeover may come before the standby sees its parent change, if that
+# EOF was the keeper's death: its fds are closed just before its children are reparented.
+_ORPHANED_WITHIN = 2.0
 
 
 class TakeoverFailed(Exception):
@@ -51,11 +63,13 @@ class TakeoverFailed(Exception):
 
 
 class Waiting:
-    """A standby before it is loaded: its socket to the keeper, and the fds it inherited."""
+    """A standby before it is loaded: its socket to the keeper, the fds it inherited, and
+    its keeper's pid."""
 
     def __init__(self, sock: socket.socket, inherited: set[int]) -> None:
         self.sock = sock
         self.inherited = inherited
+        self.keeper = os.getppid()
 
 
 def standby() -> Waiting | None:
@@ -82,15 +96,31 @@ def stand_by(waiting: Waiting) -> None:
         if order is None:
             sys.exit(0)  # told to go, not to serve
         count = int(order.pop("FDS"))
+        names = order["LISTEN_FDNAMES"].split(":") if order["LISTEN_FDNAMES"] else []
+        if len(names) != count - 1:
+            raise TakeoverFailed(f"{len(names)} names for {count} fds")
         received = _receive(sock, count)
+        whole = len(received) == count
+        if whole:
+            try:
+                sock.sendall(TAKEN, SEND_FLAGS)  # the keeper waits for it: now the holder
+            except OSError:
+                if not _orphaned(waiting.keeper):
+                    raise
+        elif not received or not _orphaned(waiting.keeper):
+            raise TakeoverFailed("the keeper's socket closed before every fd came")
         sock.close()
         placed = _place(received, inherited)
         received = []
-        names = order["LISTEN_FDNAMES"].split(":") if order["LISTEN_FDNAMES"] else []
-        if len(names) != placed - 1:
-            raise TakeoverFailed(f"{len(names)} names for {placed} fds")
         env = dict(os.environ, FDSTORE=order["FDSTORE"])
-        holder_environment(env, names, float(order["WATCHDOG_SECONDS"]), os.getpid())
+        if whole:
+            holder_environment(env, names, float(order["WATCHDOG_SECONDS"]), os.getpid())
+        else:  # cut short by the keeper's death: the last batch, the channel's, never came
+            holder_environment(env, names[:placed], float(order["WATCHDOG_SECONDS"]),
+                               os.getpid())
+            env.pop(NOTIFY_FD_ENV)
+            print(f"escrowd: the keeper died during the takeover: serving the {placed} of "
+                  f"{count} fds that came", file=sys.stderr)
         os.environ.clear()
         os.environ.update(env)
     except (OSError, KeyError, ValueError, TakeoverFailed) as exc:
@@ -132,7 +162,8 @@ def _exactly(sock: socket.socket, size: int) -> bytes | None:
 
 def _receive(sock: socket.socket, count: int) -> list[int]:
     """`count` fds, in order, from batches of one byte each (reading exactly that byte, so
-    that no batch's fds are taken with another's)."""
+    that no batch's fds are taken with another's); fewer if the keeper's socket closed
+    first."""
     fds: list[int] = []
     space = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * 4)
     try:
@@ -144,14 +175,27 @@ def _receive(sock: socket.socket, count: int) -> list[int]:
                     fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
             if flags & socket.MSG_CTRUNC:
                 raise TakeoverFailed("a batch of fds was cut short (MSG_CTRUNC)")
+            if not data and not ancdata:
+                return fds  # EOF: the caller judges it
             if data != BATCH:
-                raise TakeoverFailed("the keeper's socket closed before every fd came")
+                raise TakeoverFailed(f"{data!r} where a batch of fds must be")
         if len(fds) != count:
             raise TakeoverFailed(f"{len(fds)} fds where the order says {count}")
     except BaseException:
         close_fds(fds)
         raise
     return fds
+
+
+def _orphaned(keeper: int) -> bool:
+    """Whether `keeper`, this standby's parent, died (its children are reparented as it
+    exits, a moment after its fds are closed)."""
+    deadline = time.monotonic() + _ORPHANED_WITHIN
+    while os.getppid() == keeper:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _open_fds() -> set[int]:
