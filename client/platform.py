@@ -319,14 +319,19 @@ def _ask_psutil(pid: int, question: Callable[[psutil.Process], _T]) -> _T:
 REPLAY_FILES: bool = IS_LINUX and hasattr(os, "memfd_create")
 _F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1+: no new writable mapping (older kernels: EINVAL)
 # What makes a file's bytes fixed for as long as anyone maps it: no write, no growing, no
-# shrinking (a mapping of a shrunk file faults with SIGBUS), and no unsealing.
+# shrinking (a mapping of a shrunk file faults with SIGBUS). A seal is never removed, so
+# these three are enough, and all a client asks (PROTOCOL.md 12.8). The holder adds
+# F_SEAL_SEAL too, so that the set stays as sent; a file without it is as fixed (another
+# seal only forbids more).
 REPLAY_SEALS: int = (getattr(fcntl, "F_SEAL_WRITE", 0) | getattr(fcntl, "F_SEAL_SHRINK", 0)
-                     | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0))
+                     | getattr(fcntl, "F_SEAL_GROW", 0))
+_HOLDER_SEALS: int = REPLAY_SEALS | getattr(fcntl, "F_SEAL_SEAL", 0)
 _IOV_MAX = 1024
 
 
 def sealed_file(name: str, parts: list[memoryview | bytes]) -> int:
-    """A new memory file holding `parts` one after another, sealed (REPLAY_SEALS) and open
+    """A new memory file holding `parts` one after another, sealed (REPLAY_SEALS, and
+    F_SEAL_SEAL) and open
     read-only: an fd through which nobody can change a byte of it, nor map it writable.
     Linux only (REPLAY_FILES)."""
     if sys.platform != "linux":
@@ -341,11 +346,11 @@ def sealed_file(name: str, parts: list[memoryview | bytes]) -> int:
             if written:
                 views[0] = views[0][written:]
         try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REPLAY_SEALS | _F_SEAL_FUTURE_WRITE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _HOLDER_SEALS | _F_SEAL_FUTURE_WRITE)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REPLAY_SEALS)  # a kernel before 5.1
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _HOLDER_SEALS)  # a kernel before 5.1
         try:
             # A description of its own, read-only: write, ftruncate and fallocate on it
             # fail for want of write access, whatever the seals.

@@ -12,6 +12,7 @@ test, since a real holder only ever sends sealed files.
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import mmap
 import os
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import HolderProcess, wait_for
-from escrow_client import EscrowClient, ProtocolViolation, replay_map
+from escrow_client import EscrowClient, ProtocolViolation, protocol, replay_map
 from escrow_client.platform import REPLAY_FILES, is_sealed
 
 pytestmark = pytest.mark.skipif(not REPLAY_FILES, reason="replays by reference need a memfd")
@@ -146,3 +147,25 @@ def test_a_replay_file_that_cannot_be_mapped_is_read_instead(
         for result in report.retrieved.values():
             os.close(result.fd)
 
+
+_FIXING = {"F_SEAL_WRITE": fcntl.F_SEAL_WRITE, "F_SEAL_SHRINK": fcntl.F_SEAL_SHRINK,
+           "F_SEAL_GROW": fcntl.F_SEAL_GROW}
+
+
+@pytest.mark.parametrize("missing", [None, *_FIXING])
+def test_the_seals_believed_are_those_protocol_md_names(missing: str | None) -> None:
+    """PROTOCOL.md 12.8: the client asks for F_SEAL_WRITE, F_SEAL_SHRINK and F_SEAL_GROW,
+    no more (a seal is never removed, so F_SEAL_SEAL adds nothing a mapping needs): a file
+    with those three, and no F_SEAL_SEAL, is read; one without any of them is not."""
+    fd = os.memfd_create("replay", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, b"abcdef")
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, sum(v for k, v in _FIXING.items() if k != missing))
+    assert not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
+    where = protocol.ReplayFile(offset=1, length=3)
+    if missing is None:
+        assert replay_map.ReplayMaps().take(fd, where) == b"bcd"
+    else:
+        with pytest.raises(ProtocolViolation):
+            replay_map.ReplayMaps().take(fd, where)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed either way
