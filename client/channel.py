@@ -19,7 +19,7 @@ import errno
 import os
 import socket
 import time
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from . import breaker, errors, paths, protocol, trust
 from .fdpass import FrameReader, close_fds, recv_frame, send_frame
@@ -30,6 +30,8 @@ MAX_RESPONSE_BYTES = 256 << 20
 # How long a failed send waits for an answer the holder sent before it closed (it is
 # already in our receive queue when the send fails, so this is only a bound).
 _ANSWER_WAIT = 0.1
+
+_R = TypeVar("_R", bound=protocol.Message)
 
 
 class Deadline:
@@ -191,6 +193,35 @@ class Channel:
             exc.request_sent = False  # not all of it left: the holder cannot act on it
             raise
         return self.receive(deadline)
+
+    def call_for(
+        self, message: protocol.Message, expected: type[_R], deadline: Deadline,
+        fd: int | None = None,
+    ) -> tuple[_R, list[int]]:
+        """`call`, and the answer must be an `expected`: anything else is not the answer
+        to this request, and the connection is `out_of_step`."""
+        reply, fds = self.call(message, deadline, fd)
+        if not isinstance(reply, expected):
+            close_fds(fds)
+            self.out_of_step()
+            raise errors.ProtocolViolation(
+                f"expected {expected.__name__} to {type(message).__name__}, got "
+                f"{type(reply).__name__}")
+        return reply, fds
+
+    def out_of_step(self) -> None:
+        """An answer that cannot be this request's (of the wrong type, or one too many):
+        what the holder made of our requests is not known, and no later answer can be
+        believed. Unlike after a timeout, no `_resync` can put that right. Shut down: the
+        holder puts back whatever waited on us, and a custody's watcher sees the hang-up
+        and takes custody back on a new connection, as when the holder goes away (it
+        closes a `keep_open` connection itself); any other connection is closed."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed, or never connected: nothing more can be read either way
+        if not self.keep_open:
+            self.close()
 
     def finish(self, deadline: Deadline) -> None:
         """Close our side and wait (within `deadline`) for the holder to close its side:

@@ -69,7 +69,7 @@ class Custody(Hold):
             with self._lock:
                 self._usable_channel()
                 try:
-                    reply, fds = self._call(message, fd)
+                    reply, fds = self._call(message, protocol.Deposited, fd)
                 except (errors.HolderUnavailable, errors.HolderUnresponsive,
                         errors.ProtocolViolation) as exc:
                     if not maybe_received(exc) or session_id in self._kept:
@@ -126,7 +126,8 @@ class Custody(Hold):
         """The session's size or meta changed: `list` shows what is given from now on
         (and a deposit made again after a holder restart carries it)."""
         with self._lock:
-            self._call(protocol.Update(id=session_id, cols=cols, rows=rows, meta=meta))
+            self._call(protocol.Update(id=session_id, cols=cols, rows=rows, meta=meta),
+                       protocol.Updated)
             kept = self._kept.get(session_id)
             if kept is not None:
                 changes = {k: v for k, v in (("cols", cols), ("rows", rows), ("meta", meta))
@@ -167,7 +168,7 @@ class Custody(Hold):
         with self._lock:
             kept = self._kept.pop(session_id, None)
             try:
-                self._call(protocol.Release(id=session_id))
+                self._call(protocol.Release(id=session_id), protocol.Released)
             except errors.SessionUnknown:
                 if kept is None or not kept.pending:
                     raise  # (a deposit that never arrived has nothing to release)

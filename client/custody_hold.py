@@ -22,7 +22,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from . import errors, protocol
 from .channel import Channel, Deadline
@@ -34,6 +34,7 @@ from .retrieved import Retrieved
 # Strong references: custody lasts until close() or the process ends, never merely until
 # the Custody object is garbage-collected.
 _open: set[Hold] = set()
+_R = TypeVar("_R", bound=protocol.Message)
 
 
 def _forget_in_child() -> None:
@@ -122,12 +123,15 @@ class Hold:
         return channel
 
     def _call(
-        self, message: protocol.Message, fd: int | None = None
-    ) -> tuple[protocol.Response, list[int]]:
+        self, message: protocol.Message, expected: type[_R], fd: int | None = None
+    ) -> tuple[_R, list[int]]:
         # A timeout leaves the connection open (closing it would end custody of every
         # session on it while the app lives): the next call puts it back in step. A
-        # holder that went away is the watcher's to notice (the socket hangs up).
-        return self._usable_channel().call(message, Deadline(self._client.timeout), fd=fd)
+        # holder that went away is the watcher's to notice (the socket hangs up), and so
+        # is an answer of the wrong type, which shuts the connection down: believed, it
+        # would call a session held that the holder never took.
+        return self._usable_channel().call_for(message, expected,
+                                               Deadline(self._client.timeout), fd=fd)
 
     def _wake(self, why: bytes) -> None:
         try:
@@ -138,7 +142,7 @@ class Hold:
     # --- keeping sessions ------------------------------------------------------------------
 
     def _deposit_again(self, kept: Kept) -> None:
-        reply, fds = self._call(kept.deposit, kept.fd)
+        reply, fds = self._call(kept.deposit, protocol.Deposited, kept.fd)
         kept.set_journal(reply, fds, read_marker(self._channel))
 
     def _keep_retrieved(self, got: dict[str, Retrieved], journal: bool) -> None:

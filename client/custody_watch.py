@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from . import errors
+from . import errors, protocol
 from .channel import Channel, Connect, Deadline
 from .custody_kept import Kept, read_marker
 from .fdpass import close_fds
@@ -148,7 +148,8 @@ def reconnect(kept: dict[str, Kept], connect: Connect, deadline: Deadline,
             if only is not None and sid not in only:
                 continue
             try:
-                reply, fds = channel.call(session.deposit, deadline, fd=session.fd)
+                reply, fds = channel.call_for(session.deposit, protocol.Deposited, deadline,
+                                              fd=session.fd)
             except (errors.HolderUnavailable, errors.HolderUnresponsive,
                     errors.ProtocolViolation):
                 raise

@@ -55,6 +55,15 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
     return bool(abs(created - start_time) < _SAME_START)
 
 
+def started_otherwise(pid: int, start_time: float | None) -> bool:
+    """Positive proof that `pid` is not the process that started at `start_time`: the one
+    with that pid now started at another time. False if that cannot be told."""
+    if start_time is None:
+        return False
+    created = process_start_time(pid)
+    return created is not None and abs(created - start_time) >= _SAME_START
+
+
 def process_name(pid: int) -> str | None:
     """The name of process `pid` (`escrowctl`, `python3`...), or None if it cannot be told."""
     try:

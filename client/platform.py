@@ -201,10 +201,13 @@ def lock_holder_pid(fd: int) -> int | None:
 # Linux reads /proc/<pid>/stat itself, field for field as psutil reads it, so that
 # `escrowctl status` and `list` do not import psutil (a quarter of their start: subprocess,
 # its namedtuples, its platform module). The answers are psutil's, figure for figure (the
-# start time to the bit: pidfiles and the holder's records compare the two), with one
-# exception: psutil calls a pid gone when its /proc entry is missing, and so does a /proc
+# start time to the bit: pidfiles and the holder's records compare the two), with two
+# exceptions. psutil calls a pid gone when its /proc entry is missing, and so does a /proc
 # that is not mounted, or one mounted hidepid=2 for another user's process. Here a missing
-# entry is proof only once kill(pid, 0) says ESRCH. macOS asks psutil, imported here only.
+# entry is proof only once kill(pid, 0) says ESRCH. And psutil calls a process a zombie
+# when its stat says `Z`, which it also says of a process whose main thread has exited
+# while others run on (the leader waits for them): here it is a zombie only once
+# /proc/<pid>/status counts one thread, the leader's. macOS asks psutil, imported here only.
 
 _PID_LIMIT = 1 << 31  # pid_t
 
@@ -222,7 +225,8 @@ def process_state(pid: int) -> tuple[bool, float]:
         return _psutil_state(pid)
     fields = _proc_stat(pid)[1]
     # psutil's arithmetic, in its order: the same process gives the same float.
-    return fields[0] == b"Z", float(fields[19]) / _clock_ticks() + _boot_time()
+    return (fields[0] == b"Z" and _threads(pid) == 1,
+            float(fields[19]) / _clock_ticks() + _boot_time())
 
 
 def process_parent(pid: int) -> int:
@@ -281,6 +285,25 @@ def _proc_stat(pid: int) -> tuple[bytes, list[bytes]]:
     raise OSError(errno.ENOENT, f"pid {pid} runs, and /proc/{pid}/stat cannot be read")
 
 
+def _threads(pid: int) -> int:
+    """How many threads `pid` has (its leader, a zombie or not, counts until the last).
+    Raises as `process_state` does when that cannot be told."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Threads:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            raise NoSuchProcess(pid) from None  # the zombie was reaped meanwhile
+        except PermissionError:
+            pass
+        raise OSError(errno.ENOENT, f"/proc/{pid}/status cannot be read") from None
+    raise OSError(errno.EINVAL, f"/proc/{pid}/status has no Threads: line")
+
+
 def _clock_ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
@@ -319,14 +342,19 @@ def _ask_psutil(pid: int, question: Callable[[psutil.Process], _T]) -> _T:
 REPLAY_FILES: bool = IS_LINUX and hasattr(os, "memfd_create")
 _F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1+: no new writable mapping (older kernels: EINVAL)
 # What makes a file's bytes fixed for as long as anyone maps it: no write, no growing, no
-# shrinking (a mapping of a shrunk file faults with SIGBUS), and no unsealing.
+# shrinking (a mapping of a shrunk file faults with SIGBUS). A seal is never removed, so
+# these three are enough, and all a client asks (PROTOCOL.md 12.8). The holder adds
+# F_SEAL_SEAL too, so that the set stays as sent; a file without it is as fixed (another
+# seal only forbids more).
 REPLAY_SEALS: int = (getattr(fcntl, "F_SEAL_WRITE", 0) | getattr(fcntl, "F_SEAL_SHRINK", 0)
-                     | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0))
+                     | getattr(fcntl, "F_SEAL_GROW", 0))
+_HOLDER_SEALS: int = REPLAY_SEALS | getattr(fcntl, "F_SEAL_SEAL", 0)
 _IOV_MAX = 1024
 
 
 def sealed_file(name: str, parts: list[memoryview | bytes]) -> int:
-    """A new memory file holding `parts` one after another, sealed (REPLAY_SEALS) and open
+    """A new memory file holding `parts` one after another, sealed (REPLAY_SEALS, and
+    F_SEAL_SEAL) and open
     read-only: an fd through which nobody can change a byte of it, nor map it writable.
     Linux only (REPLAY_FILES)."""
     if sys.platform != "linux":
@@ -341,11 +369,11 @@ def sealed_file(name: str, parts: list[memoryview | bytes]) -> int:
             if written:
                 views[0] = views[0][written:]
         try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REPLAY_SEALS | _F_SEAL_FUTURE_WRITE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _HOLDER_SEALS | _F_SEAL_FUTURE_WRITE)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REPLAY_SEALS)  # a kernel before 5.1
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _HOLDER_SEALS)  # a kernel before 5.1
         try:
             # A description of its own, read-only: write, ftruncate and fallocate on it
             # fail for want of write access, whatever the seals.

@@ -64,13 +64,11 @@ def reclaim(
         w = channel.welcome
         check_invariant(w, timeout)
         check_invariant(w, deadline, "reclaim deadline")
-        status, _ = channel.call(protocol.Status(), call)
-        if isinstance(status, protocol.HolderStatus):
-            report.holder_instance, report.adopted = status.instance, status.adopted
-            report.restarts = status.restarts
-            report.unclean_restarts = status.unclean_restarts
-        reply, _ = channel.call(protocol.List(), call)
-        assert isinstance(reply, protocol.Sessions)
+        status, _ = channel.call_for(protocol.Status(), protocol.HolderStatus, call)
+        report.holder_instance, report.adopted = status.instance, status.adopted
+        report.restarts = status.restarts
+        report.unclean_restarts = status.unclean_restarts
+        reply, _ = channel.call_for(protocol.List(), protocol.Sessions, call)
         live = {s.id: s for s in reply.sessions if s.state in protocol.LIVE_STATES}
         if live:
             check_invariant(w, until.remaining(), "reclaim deadline left")

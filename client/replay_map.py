@@ -14,8 +14,10 @@ Nothing in the file is believed unchecked, though it comes from a holder of our 
 before it is mapped, the file must be sealed against writing, growing and shrinking (so its
 bytes cannot change under the mapping, and a shrink cannot turn a read into SIGBUS), and the
 range must lie inside it. A file or range that fails is a protocol violation of that
-handoff, which is not acked (the holder keeps the session): never a crash, never a replay
-that is not the holder's.
+handoff, which is not acked (the holder keeps the session; the others of the retrieve are
+taken all the same): never a crash, never a replay that is not the holder's. A sealed file
+whose mapping fails (out of address space, or of mappings) is read with pread instead:
+a copy, as the frame's would have been, and no session lost for it.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class ReplayMaps:
         self._views: dict[tuple[int, int], memoryview] = {}
 
     def take(self, fd: int, where: protocol.ReplayFile) -> memoryview:
-        """The replay `where` says, in the file `fd` (a read-only view: no copy). Closes
-        `fd`, whatever happens. ProtocolViolation for a file that is not sealed or cannot
-        be mapped, and for a range outside it."""
+        """The replay `where` says, in the file `fd` (a read-only view: no copy; a copy
+        if the file cannot be mapped). Closes `fd`, whatever happens. ProtocolViolation
+        for a file that is not sealed or cannot be read, and for a range outside it."""
         try:
             if not is_sealed(fd):
                 raise errors.ProtocolViolation(
@@ -62,7 +64,26 @@ def _map(fd: int, size: int) -> memoryview:
         return memoryview(b"")
     try:
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    except (OSError, ValueError, OverflowError) as exc:
-        raise errors.ProtocolViolation(f"the replay file cannot be mapped: {exc}") from None
+    except (OSError, ValueError, OverflowError):
+        # Sealed, and still not mapped (out of address space, or of mappings): read it
+        # instead, a copy as the frame would have been. Only a file that cannot be read
+        # either fails, and then only its handoffs.
+        return memoryview(_read(fd, size))
     # The views keep the mapping alive, and it is unmapped when the last is gone.
     return memoryview(mapping)
+
+
+def _read(fd: int, size: int) -> bytes:
+    parts: list[bytes] = []
+    done = 0
+    try:
+        while done < size:
+            part = os.pread(fd, size - done, done)
+            if not part:
+                raise errors.ProtocolViolation(
+                    f"the replay file ends at {done} of its {size} bytes")
+            parts.append(part)
+            done += len(part)
+    except OSError as exc:
+        raise errors.ProtocolViolation(f"the replay file cannot be read: {exc}") from None
+    return b"".join(parts)

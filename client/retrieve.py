@@ -88,6 +88,7 @@ def retrieve_many_on(
     maps = ReplayMaps()
     got: dict[str, Retrieved] = {}
     failed: dict[str, errors.EscrowError] = {}
+    refused = False  # a handoff failed our checks: never acked
     acked: list[Retrieved] = []
     try:
         channel.send(request, deadline)
@@ -105,26 +106,22 @@ def retrieve_many_on(
                 raise errors.ProtocolViolation(
                     f"expected handoff, got {type(reply).__name__}")
             sid = reply.session.id
-            replay: bytes | memoryview = reply.replay
-            if reply.replay_file is not None:
-                try:
-                    if not by_file or reply.replay:
-                        raise errors.ProtocolViolation(
-                            f"the holder sent {sid}'s replay in a file unasked, or twice")
-                    replay = maps.take(fds.pop(), reply.replay_file)  # (closes that fd)
-                except errors.ProtocolViolation:
-                    close_fds(fds)
-                    if not keep:
-                        channel.close()
-                    raise
-            if sid not in wanted or sid in got or sid in failed or not os.isatty(fds[0]):
-                # Do not ack: the holder keeps its copies and drains them again when we
-                # hang up.
+            if sid not in wanted or sid in got or sid in failed:
+                # Not one answer per id: nothing more on this connection can be matched.
                 close_fds(fds)
-                if not keep:  # (a custody's connection ends custody when it closes)
-                    channel.close()
                 raise errors.ProtocolViolation(
-                    f"the holder handed off {sid} unasked, twice, or as a non-terminal")
+                    f"the holder handed off {sid} unasked, or twice")
+            try:
+                replay = _checked_replay(reply, fds, by_file, maps)
+            except errors.ProtocolViolation as exc:
+                # That session fails alone (PROTOCOL.md 12.7): not acked, it stays the
+                # holder's; the others are still ours to take.
+                close_fds(fds)
+                # (Without its traceback, which would hold this frame, its replay
+                # mappings included, in a cycle only the collector breaks.)
+                failed[sid] = exc.with_traceback(None)
+                refused = True
+                continue
             got[sid] = Retrieved(
                 fds[0], reply.session, replay, reply.dropped_bytes, reply.handoff_id,
                 confirmed=False, replay_trimmed=reply.replay_trimmed,
@@ -143,10 +140,21 @@ def retrieve_many_on(
         if got:
             acked.extend(got.values())
             channel.send(ack, deadline)
+        if refused:
+            # The holder would wait out its ack deadline for those, and take our next
+            # request for the wrong frame (PROTOCOL.md 12.7): a `status` now is that frame,
+            # on purpose, and ends the wait in step. (Never an ack: no holder can take it
+            # for one.)
+            channel.send(protocol.Status(), deadline)
+        if got:
             _receive_done(channel, set(got), got, failed, deadline)
+        if refused:
+            _receive_refusal(channel, deadline)
     except (errors.HolderUnresponsive, errors.HolderUnavailable,
             errors.ProtocolViolation) as exc:
-        if not keep:
+        if isinstance(exc, errors.ProtocolViolation):
+            channel.out_of_step()  # (a custody's watcher then takes custody back)
+        elif not keep:
             channel.close()
         for result in list(got.values()):
             if result.confirmed:
@@ -198,3 +206,38 @@ def _receive_done(channel: Channel, waiting: set[str], got: dict[str, Retrieved]
         raise errors.ProtocolViolation(f"expected done, got {done!r:.80}")
     for sid in ids:
         got[sid].confirmed = True
+
+
+def _checked_replay(reply: protocol.Handoff, fds: list[int], by_file: bool,
+                    maps: ReplayMaps) -> bytes | memoryview:
+    """The replay of a handoff that passes the checks of PROTOCOL.md 12.2 step 6 and 12.8
+    (its terminal, its replay file and range), the file's fd closed; ProtocolViolation
+    otherwise (the caller closes the other fds)."""
+    replay: bytes | memoryview = reply.replay
+    if reply.replay_file is not None:
+        if not by_file or reply.replay:
+            raise errors.ProtocolViolation(
+                f"the holder sent {reply.session.id}'s replay in a file unasked, or twice")
+        replay = maps.take(fds.pop(), reply.replay_file)  # (closes that fd)
+    if not os.isatty(fds[0]):
+        raise errors.ProtocolViolation(
+            f"the holder handed off {reply.session.id} as a non-terminal")
+    return replay
+
+
+def _receive_refusal(channel: Channel, deadline: Deadline) -> None:
+    """The answer to the `status` that ends the holder's wait for the handoffs we refused:
+    `error` (the holder took it for the wrong frame it is, and put them back first), or
+    `holder_status` (its ack deadline had passed: they were back already). Anything else
+    is the stream out of step."""
+    try:
+        reply, fds = channel.receive(deadline)
+    except (errors.HolderUnresponsive, errors.HolderUnavailable,
+            errors.ProtocolViolation):
+        raise
+    except errors.EscrowError:
+        return
+    close_fds(fds)
+    if not isinstance(reply, protocol.HolderStatus):
+        raise errors.ProtocolViolation(
+            f"expected the answer to status, got {type(reply).__name__}")

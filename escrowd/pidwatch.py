@@ -2,7 +2,9 @@
 
 The holder uses it for a `held` session it adopted (docs/design.md §11): the app that held custody
 is still running, but its connection went with the old holder. The session stays held while
-that process lives and starts draining the moment there is positive proof that it died.
+that process lives and starts draining the moment there is positive proof that it died:
+on Linux, a pidfd that turns readable (the whole process has exited, not only its main
+thread), or a process of another start time under that pid.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 import trio
 
-from escrow_client.liveness import process_alive
+from escrow_client.liveness import process_alive, started_otherwise
 
 _FALLBACK_PERIOD = 5.0  # seconds between looks when no pidfd can be opened
 
@@ -37,7 +39,11 @@ async def wait_exit(pid: int, start_time: float | None) -> None:
             return
         try:
             # Opened first, checked second: the pid cannot be reused under an open pidfd.
-            if process_alive(pid, start_time) is False:
+            # From here only the pidfd proves death: it turns readable once the whole
+            # thread group has exited, whereas /proc shows `Z` as soon as the main thread
+            # has (a process serving from another thread is alive). /proc is asked only
+            # whether this is the process we watch at all.
+            if started_otherwise(pid, start_time):
                 return
             await trio.lowlevel.wait_readable(pidfd)
         finally:

@@ -125,18 +125,21 @@ def test_a_handoff_of_a_non_terminal_is_never_acked(socket_dir: Path) -> None:
     """Incident pinned (issue 9, item 1a): a client that acked before checking what it was
     handed would tell a confused holder to close its copy of the terminal in exchange for a
     pipe: the session gone for good. A non-terminal is a ProtocolViolation, no `ack` leaves
-    the client, and its copy of the pipe is closed."""
+    the client, and its copy of the pipe is closed. (The `status` that follows ends the
+    holder's wait for an ack, as a wrong frame: PROTOCOL.md 12.7.)"""
     r, w = os.pipe()
     try:
         def script(peer: Peer) -> None:
             peer.expect(protocol.Retrieve)
             peer.send(protocol.Handoff(handoff_id=HANDOFF_ID, session=info(), replay=b""), fd=r)
+            peer.expect(protocol.Status)
+            peer.send(protocol.Error(code="bad_request", message="expected ack", id=SID))
             peer.until_eof()
 
         with FakeHolder(socket_dir, [script]) as fake:
             with pytest.raises(ProtocolViolation, match="non-terminal"):
                 fake.client().retrieve(SID)
-        assert [type(m) for m in fake.received[0]] == [protocol.Retrieve]
+        assert [type(m) for m in fake.received[0]] == [protocol.Retrieve, protocol.Status]
         assert fds_open_on(r) == {r}
     finally:
         os.close(r)
