@@ -140,8 +140,13 @@ class BenchHolder:
         return pid
 
     def keeper_fds(self) -> int:
-        """The keeper's open fds (its own, and every fd in its store)."""
-        return len(os.listdir(f"/proc/{self.keeper_pid}/fd"))
+        """The keeper's open fds (its own, and every fd in its store), less the socket it
+        keeps to each waiting standby (escrowd.standby: one comes a second after a holder
+        is ready, and goes when it serves, so a count taken at any moment may have one)."""
+        pid = self.keeper_pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            standbys = max(0, len(f.read().split()) - 1)  # every child but the serving one
+        return len(os.listdir(f"/proc/{pid}/fd")) - standbys
 
     def alive(self) -> bool:
         """The holder (under the keeper: the keeper, which keeps a holder running)."""

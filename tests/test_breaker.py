@@ -175,12 +175,12 @@ class _WedgesAtFirstRetrieve(EscrowClient):
 
     def _retrieve_many_on(
         self, channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
-        journal: bool = False,
+        journal: bool = False, replay_file: bool = False,
     ) -> tuple[dict[str, Retrieved], dict[str, EscrowError]]:
         if not self.wedged:
             self.wedged = True
             _wedge(self.holder)
-        return super()._retrieve_many_on(channel, ids, deadline, keep, journal)
+        return super()._retrieve_many_on(channel, ids, deadline, keep, journal, replay_file)
 
 
 def test_holder_wedging_mid_reclaim_costs_one_timeout_not_one_per_session(
