@@ -74,7 +74,7 @@ every session. What changes:
   `marked_gaps`); any other break is a `sequence_gaps` failure.
 - A kill that finds no holder serving (the keeper is between two) waits for the next one and
   hits it early, often while it adopts (`holder_kills_at_its_start`).
-- fds: the holder's at the end (baseline + 3 per live session, and back to its baseline
+- fds: the holder's at the end (baseline + 2 per live session, and back to its baseline
   after release), and the keeper's (its baseline + 2 per live session, the master and the
   state file it stores, and back after release), both in `fds_leaked`.
 - The handoffs the holders completed are counted from the holder's log (a killed holder
@@ -120,7 +120,7 @@ from escrowd.statefile import MAX_READ
 
 STEPS = ("connect", "hello", "retrieve_sent", "handoff_received", "acked")
 TIOCGPTN = 0x80045430
-SESSION_FDS = 3  # a session costs the holder its PTY master, its state file and mmap's dup of it
+SESSION_FDS = 2  # a session costs the holder its PTY master and its state file
 KEEPER_SESSION_FDS = 2  # and the keeper the two it stores: the master and the state file
 SETTLE_TIMEOUT = 20.0  # the holder's ack deadline is 10 s; it notices a dead peer at once
 # A holder SIGKILLed comes back after the keeper's back-off (at most 5 s) and its start-up.
