@@ -75,6 +75,7 @@ async def deposit(holder: Answerer, conn: Connection, request: protocol.Deposit,
         held = holder.registry.get(conn.owner, request.id)
         if held is not None and _resumes(held, conn, terminal):
             os.close(fd)  # the holder has this terminal already
+            fd = -1  # (a failed answer below must not close its number again)
             held.take_custody(conn, "custody resumed by its app on a new connection")
             conn.custodian = True
             await _deposited(conn, held, request.journal)
@@ -83,6 +84,7 @@ async def deposit(holder: Answerer, conn: Connection, request: protocol.Deposit,
                                          holder.nursery)
         if claimed is not None:
             os.close(fd)  # the holder has this terminal already
+            fd = -1  # (a failed answer below must not close its number again)
             conn.custodian = True
             await _deposited(conn, claimed, request.journal)
             return
@@ -96,13 +98,15 @@ async def deposit(holder: Answerer, conn: Connection, request: protocol.Deposit,
                 raise
             raise RegistryError("limit", OUT_OF_FDS) from None
     except RegistryError as exc:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         log("deposit_refused", session=f"{conn.owner}/{request.id}", code=exc.code,
             reason=str(exc))
         await conn.send_error(exc.code, str(exc), request.id)
         return
     except BaseException:
-        os.close(fd)
+        if fd >= 0:  # (by then the number may be a journal's, or a draining master)
+            os.close(fd)
         raise
     session = Session(conn.owner, request, fd, ring, conn, conn.peer_pid, start_time,
                       terminal, conn.client, holder.instance, custodian_start,

@@ -163,12 +163,17 @@ class Ring(HeldBytes):
 
     def append(self, data: memoryview) -> None:
         """Put `data` in as if it had been read from the terminal (a full ring drops its
-        oldest bytes), at most MAX_READ bytes at a time, each counted once in place."""
-        for start in range(0, len(data), MAX_READ):
-            chunk = data[start : start + MAX_READ]
-            n = len(chunk)
+        oldest bytes), at most MAX_READ bytes at a time and never more than the ring holds
+        (a larger chunk would wrap over its own new bytes), each counted once in place."""
+        start, end = 0, len(data)
+        while start < end:
+            n = min(MAX_READ, end - start)
             write_at = self._make_room(n, overwrite=True)
-            cap = self.capacity
+            cap = self.capacity  # (as grown for this chunk)
+            if 0 < cap < n:
+                n = cap
+            chunk = data[start : start + n]
+            start += n
             self.modes.appending(chunk, self._total + n - cap)  # the bytes these write over
             if cap:
                 first = min(n, cap - write_at)

@@ -31,6 +31,7 @@ from . import __version__, handoff, housekeeping, requests
 from .adoption import Adoption, adopt
 from .config import Config
 from .connection import Connection, SendTimeout
+from .drain import DrainLoop
 from .fdlimit import FD_EXHAUSTION, OUT_OF_FDS, open_reserve, out_of_fds
 from .fdstore import FdStore
 from .log import log
@@ -98,6 +99,7 @@ class Holder:
         """Adopt what the fd store passed (`stored`), then serve until `request_stop()`, or
         until --idle-exit finds nothing held for that long; then stop in order (see
         escrowd.housekeeping) and return. Cancelled instead, it stops at once."""
+        DrainLoop.current().prepare()  # its one fd, before the first drain needs it
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.store.read_answers)  # before adoption stores anything

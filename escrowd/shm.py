@@ -13,7 +13,12 @@ to that array. `close` releases the views it made itself, then unmaps only if no
 holds the array (its reference count is known exactly); if anything does (a view somebody
 kept, a traceback's frame), the pages are replaced by private zero pages at the same address
 instead of unmapped: the file's memory is let go all the same, and a forgotten view reads
-zeros rather than crash the holder.
+zeros rather than crash the holder. Those pages are read-only and reserve nothing
+(PROT_READ, MAP_NORESERVE), so that no commit limit can refuse them (strict overcommit
+charges a writable private mapping in full); if the kernel refuses them all the same, the
+shared mapping stays where it is, leaked and logged, rather than be unmapped under the
+view. (Nothing writes through a view past its close: the ring that made it is released.)
+The range is never unmapped after that: the view may outlive anything that could tell.
 
 The platform differences are here too: a sealed memfd on Linux; on macOS, which has none,
 an unlinked file in the holder's private (0700) directory. libc's `mmap` and `memchr` are
@@ -27,6 +32,8 @@ import mmap
 import os
 import sys
 import tempfile
+
+from .log import log
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _mmap = _libc.mmap
@@ -42,6 +49,8 @@ _memchr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # the same on Linux and macOS; Python's mmap module does not name it
 _READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+# Python's mmap module does not name it (Linux's value; macOS's, which it ignores, is 0x40).
+_MAP_NORESERVE = 0x4000 if sys.platform == "linux" else 0x40
 # References to the array when nobody but the mapping holds it: its own attribute, and
 # getrefcount's argument.
 _UNSHARED = 2
@@ -96,5 +105,10 @@ class Mapping:
         if sys.getrefcount(array) <= _UNSHARED:
             _munmap(self._address, self._length)
         else:
-            _mmap(self._address, self._length, _READ_WRITE,
-                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+            zeros = _mmap(self._address, self._length, mmap.PROT_READ,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
+                          -1, 0)
+            if zeros != self._address:  # refused: the shared pages stay (never unmapped)
+                error = ctypes.get_errno()
+                log("internal_error", where="shm", error=os.strerror(error),
+                    action=f"a state file's {self._length} B mapping kept")

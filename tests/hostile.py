@@ -27,8 +27,8 @@ from rawclient import RawClient
 from conftest import OWNER, HolderProcess, PtyChild, spawn_in_pty, wait_for
 from escrow_client import EscrowClient, fdpass, protocol
 
-SESSION_FDS = 2  # one session costs the holder: its PTY master and its state file (mapped
-# by escrowd.shm, which keeps no duplicate of it)
+SESSION_FDS = 2  # one session costs the holder: its PTY master and its state file (the
+# drain loop's one readiness set is made as the holder starts: in the baseline)
 COUNTER = "i=0; while [ $i -lt 1000000 ]; do i=$((i+1)); echo L$i; sleep 0.01; done"
 BYSTANDER = "bystander"
 

@@ -44,6 +44,7 @@ import trio.testing
 from escrow_client.platform import terminal_identity
 from escrowd.adoption import Adoption, adopt
 from escrowd.config import Config
+from escrowd.drain import DrainLoop
 from escrowd.fdstore import HOLDER_NAME, FdStore, StoreError, journal_name, session_name
 from escrowd.server import Holder
 from escrowd.statefile import HolderRecord, Record, StateFile
@@ -263,7 +264,10 @@ def removals(store: socket.socket) -> list[str]:
 
 
 def open_fds() -> set[int]:
-    """The fds open in this process (not the one the listing was read with: closed)."""
+    """The fds open in this process (not the one the listing was read with: closed). The
+    drain loop's readiness set is made first: it is the trio run's, kept for the run, as a
+    holder makes it as it starts."""
+    DrainLoop.current().prepare()
     return {int(fd) for fd in os.listdir("/proc/self/fd") if is_open(int(fd))}
 
 

@@ -64,8 +64,10 @@ def test_a_draining_session_holds_two_fds(holder: HolderProcess, writers) -> Non
     3,000 fds for 1,000 sessions), and the state file is now mapped without one."""
     sessions = 20
     client = holder.client()
-    client.status()  # (its connection is open from here on: counted in the base)
-    base = fd_count(holder.pid)
+    # (Each call's connection closes after it: the base is the holder's own, the drain
+    # loop's readiness set among them, made as it started.)
+    holder.wait_fds_at_baseline()
+    base = holder.baseline_fds
     for i in range(sessions):
         hand_off_and_go(client, f"s{i}", writers(b"x" * 100))
     wait_for(lambda: [s.buffered_bytes for s in client.list()] == [100] * sessions, 10.0,
