@@ -879,6 +879,8 @@ def table(r: dict[str, Any]) -> str:
          f"cold start of the pair {f(r['cold_start_keeper_ms'], 0)} ms",
          f"{f(r['restart_vs_cold_start'], 1)}×", "restart_1000_ms"),
         ("restart, no session", f"{f(r['restart_empty_ms'], 0)} ms", "", "", "restart_empty_ms"),
+        ("cold start, keeper and holder", f"{f(r['cold_start_keeper_ms'], 0)} ms",
+         f"python -c pass {f(r['startup_python_ms'], 0)} ms", "", "cold_start_keeper_ms"),
         ("standby RSS, waiting", f"{f(r['standby_rss_mb'], 1)} MiB", "", "", "standby_rss_mb"),
         ("deposit p50 (fd store)", f"{f(r['deposit_p50_ms'], 3)} ms",
          f"no fd store {f(r['deposit_no_store_p50_ms'], 3)} ms",
