@@ -31,8 +31,6 @@ which the program sets as it repaints.
 
 from __future__ import annotations
 
-import re
-
 SAVE_CURSOR, RESTORE_CURSOR = b"\x1b7", b"\x1b8"
 WHOLE_SCROLL_REGION = b"\x1b[r"
 WHOLE_LEFT_RIGHT_MARGINS = b"\x1b[s"  # DECSLRM while DECLRMM is set
@@ -53,6 +51,8 @@ _RESETS = (b"\x1bc", b"\x1b[!p")
 def _left_set(replay: bytes) -> set[bytes]:
     """The modes of `_MODES` that `replay` leaves set."""
     reset = max(replay.rfind(every) for every in _RESETS)
+    import re  # here, not at import: escrowctl imports this module with the package
+
     last: dict[bytes, bool] = {}
     for found in re.compile(_MODE).finditer(replay, reset + 1):
         for mode in found.group(1).split(b";"):

@@ -65,8 +65,9 @@ whose final byte a question's could be; a MiB of htop's output took 5 to 6 ms on
 
 from __future__ import annotations
 
-import functools
-import re
+TYPE_CHECKING = False  # (not typing's: escrowctl imports this module with the package)
+if TYPE_CHECKING:
+    import re
 
 ST = b"\x1b\\"
 ENQ = b"\x05"
@@ -140,11 +141,19 @@ _RAW_C1_QUESTION = _questions(
 _C1_BYTES = (b"\x90", b"\x9a", b"\x9b", b"\x9d", b"\x9f")
 
 
-@functools.cache
+_COMPILED: dict[bytes, re.Pattern[bytes]] = {}
+
+
 def _compiled(pattern: bytes) -> re.Pattern[bytes]:
     # When first used, not at import: every app imports the library, and the holder, and
-    # most of them never write a replay to a terminal (compiling these takes milliseconds).
-    return re.compile(pattern)
+    # most of them never write a replay to a terminal (compiling these takes milliseconds;
+    # importing re, for `escrowctl --version`, a few more).
+    compiled = _COMPILED.get(pattern)
+    if compiled is None:
+        import re
+
+        compiled = _COMPILED[pattern] = re.compile(pattern)
+    return compiled
 
 
 def _instead(question: re.Match[bytes]) -> bytes:
