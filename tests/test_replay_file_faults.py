@@ -16,34 +16,16 @@ import fcntl
 import gc
 import mmap
 import os
-import tty
 from collections.abc import Iterator
 
 import pytest
+from test_replay_file import _deposit
 
 from conftest import HolderProcess, wait_for
-from escrow_client import EscrowClient, ProtocolViolation, protocol, replay_map
+from escrow_client import ProtocolViolation, protocol, replay_map
 from escrow_client.platform import REPLAY_FILES, is_sealed
 
 pytestmark = pytest.mark.skipif(not REPLAY_FILES, reason="replays by reference need a memfd")
-
-
-def _deposit(client: EscrowClient, count: int) -> tuple[dict[str, bytes], list[int]]:
-    """`count` draining sessions on raw ptys, each with its own output in its ring."""
-    wanted, slaves = {}, []
-    for i in range(count):
-        master, slave = os.openpty()
-        tty.setraw(slave)
-        sid = f"s{i:02}"
-        client.hand_off(sid, master)
-        os.close(master)
-        data = f"{sid}: ".encode() + bytes(range(256)) * (i % 3 + 1) + b"\r\n"
-        os.write(slave, data)
-        wanted[sid] = data
-        slaves.append(slave)
-    wait_for(lambda: {s.id: s.buffered_bytes for s in client.list() if s.id in wanted}
-             == {sid: len(data) for sid, data in wanted.items()}, what="every replay drained")
-    return wanted, slaves
 
 
 @pytest.fixture
