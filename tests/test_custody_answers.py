@@ -12,27 +12,19 @@ from __future__ import annotations
 
 import os
 import tty
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from fakeholder import OWNER, SID, WELCOME, FakeHolder, Peer, fds_open_on
+from test_custody_failures import STATUS, fresh_breaker  # noqa: F401 (an autouse fixture)
 
 from conftest import wait_for
-from escrow_client import breaker, errors, protocol
+from escrow_client import errors, protocol
 from escrow_client.platform import pty_number
 
 KEEPING = msgspec.structs.replace(WELCOME, features=["keep"], drain_stop_budget=0.05,
                                   send_deadline=0.05)
-STATUS = protocol.HolderStatus(pid=1, version="fake", started_at=0.0, socket="fake")
-
-
-@pytest.fixture(autouse=True)
-def fresh_breaker() -> Iterator[None]:
-    breaker.reset()
-    yield
-    breaker.reset()
 
 
 class OutOfTurn:
