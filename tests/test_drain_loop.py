@@ -34,6 +34,23 @@ from escrowd.ring import Ring, RingBudget
 MiB = 1 << 20
 
 
+@contextlib.contextmanager
+def counting_calls(strace: str, pid: int, out: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`strace -c -f` on `pid` while the block runs, its counts in `out` after it."""
+    tracer = subprocess.Popen([strace, "-c", "-f", "-o", str(out), "-p", str(pid)],
+                              stderr=subprocess.PIPE)
+    try:
+        assert tracer.stderr is not None
+        # strace says on stderr when it has attached (every thread of the holder).
+        wait_for(lambda: b"attached" in tracer.stderr.read1(4096), 10.0, "strace to attach")
+        yield tracer
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(30)
+        if tracer.stderr is not None:
+            tracer.stderr.close()
+
+
 @pytest.fixture
 def writers(tmp_path: Path) -> Iterator[Callable[[bytes], PtyChild]]:
     """writers(data): a child on a raw PTY that, after one byte of input, writes `data`
@@ -104,19 +121,9 @@ def test_a_flood_costs_a_read_and_a_share_of_one_epoll_wait_a_read(
     child = writers(b"y" * total)
     client = holder.client()
     out = tmp_path / "strace.txt"
-    tracer = subprocess.Popen([strace, "-c", "-f", "-o", str(out), "-p", str(holder.pid)],
-                              stderr=subprocess.PIPE)
-    try:
-        assert tracer.stderr is not None
-        # strace says on stderr when it has attached (every thread of the holder).
-        wait_for(lambda: b"attached" in tracer.stderr.read1(4096), 10.0, "strace to attach")
+    with counting_calls(strace, holder.pid, out):
         hand_off_and_go(client, "flood", child)
         wait_for(lambda: drained(client, "flood") == total, 120.0, "the flood drained")
-    finally:
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(30)
-        if tracer.stderr is not None:
-            tracer.stderr.close()
     info = info_of(client, "flood")
     assert info.buffered_bytes + info.dropped_bytes == total
     calls = strace_counts(out.read_text())
@@ -144,20 +151,11 @@ def test_an_idle_holder_with_draining_sessions_makes_no_system_call(
     wait_for(lambda: [s.buffered_bytes for s in client.list()] == [13] * 30, 10.0,
              "every session drained")
     out = tmp_path / "strace.txt"
-    tracer = subprocess.Popen([strace, "-c", "-f", "-o", str(out), "-p", str(holder.pid)],
-                              stderr=subprocess.PIPE)
-    try:
-        assert tracer.stderr is not None
-        wait_for(lambda: b"attached" in tracer.stderr.read1(4096), 10.0, "strace to attach")
+    with counting_calls(strace, holder.pid, out) as tracer:
         # What is measured is a second of nothing happening: no event can end it.
         with contextlib.suppress(subprocess.TimeoutExpired):
             tracer.wait(1.0)
         client.status()  # and then one request, which strace must see: it is tracing
-    finally:
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(30)
-        if tracer.stderr is not None:
-            tracer.stderr.close()
     calls = strace_counts(out.read_text())
     print(f"\n  an idle second, then one request: {calls}")
     assert calls.get("sendmsg", 0) + calls.get("sendto", 0) >= 1, "strace saw nothing"
