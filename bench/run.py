@@ -887,6 +887,10 @@ def table(r: dict[str, Any]) -> str:
          f"{f(r['deposit_store_vs_none'])}", "deposit_p50_ms"),
         ("deposit p99 (fd store)", f"{f(r['deposit_p99_ms'], 3)} ms",
          f"no fd store {f(r['deposit_no_store_p99_ms'], 3)} ms", "", "deposit_p99_ms"),
+        ("an app reading, journal on", f"{f(r['journal_read_mb_s'], 0)} MiB/s",
+         f"journal off {f(r['journal_off_read_mb_s'], 0)} MiB/s",
+         f"CPU {f(r['journal_read_overhead'])}, wall {f(r['journal_read_wall_ratio'])}",
+         "journal_read_overhead"),
     ]
     if "cli_status_ms" in r:
         rows += cli_calls.rows(r)

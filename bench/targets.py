@@ -32,6 +32,7 @@ TARGETS: dict[str, Target] = {
     "cold_start_keeper_ms": ("<=", 250.0, " ms"),
     "restart_1000_ms": ("<=", 150.0, " ms"),
     "standby_rss_mb": ("<=", 40.0, " MiB"),
+    "journal_read_overhead": ("<=", 1.1, "× the app's CPU with it off"),
 }
 
 
