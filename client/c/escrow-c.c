@@ -217,7 +217,7 @@ static int has_newlines(const char *seen, size_t len, const void *count) {
 /* ---- commands ------------------------------------------------------------------------------- */
 
 static escrow_deposit_opts opts_for(int argc, char **argv, int pid_at) {
-    escrow_deposit_opts o = {"sh", 0, 80, 24, NULL, 0};
+    escrow_deposit_opts o = {"sh", 0, 80, 24, NULL, 0, 0};
     if (argc > pid_at) o.child_pid = atoll(argv[pid_at]);
     return o;
 }
@@ -391,7 +391,7 @@ static int cmd_encode(int argc, char **argv) {
     } else if (strcmp(type, "deposit") == 0 && argc >= 7) {
         escrow_meta meta[ESCROW_META_MAX];
         escrow_deposit_opts opts = {argv[2], atoll(argv[3]), atoll(argv[4]), atoll(argv[5]),
-                                    meta, 0};
+                                    meta, 0, 0};
         bad = parse_bool(argv[6], &journal) != 0 ||
               parse_meta(argc - 7, argv + 7, meta, &opts.meta_count) != 0;
         if (!bad) rc = escrow__encode_deposit(&o, argv[1], &opts, journal, &err);

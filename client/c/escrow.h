@@ -8,12 +8,13 @@
  * - has a deadline: `timeout` seconds from the call's start (connect, hello and every frame
  *   inside it), and never blocks past it (poll, on non-blocking sockets);
  * - closes every fd it opened or received, on every path, except the fds it hands to the
- *   caller (escrow_retrieved.fd), and never closes the caller's fds. It never asks for a
- *   journal (PROTOCOL.md 10.6), so it takes no journal file: one that comes anyway is closed;
+ *   caller (escrow_retrieved.fd) and those a custody keeps (a duplicate of each master it
+ *   holds, closed with the custody), and never closes the caller's fds. A journal file is
+ *   mapped and closed at once; one that comes unasked for is closed;
  * - returns an escrow_code, and fills `err` (when not NULL) with the code's name, a message
  *   and the session id the error is about.
  * Nothing here is thread-safe beyond this: different escrow_custody objects may be used from
- * different threads. No global state, no signals: sends use MSG_NOSIGNAL (SO_NOSIGPIPE on
+ * different threads; one custody, from one thread at a time. No call starts a thread. No global state, no signals: sends use MSG_NOSIGNAL (SO_NOSIGPIPE on
  * macOS), so a holder that went away gives ESCROW_UNAVAILABLE, never SIGPIPE.
  */
 #ifndef ESCROW_H
@@ -121,6 +122,13 @@ typedef struct escrow_status {
     char socket[256];
     escrow_ints sessions_by_state, counters, limits;
     int64_t open_fds, rss_bytes;        /* -1: nil */
+    /* Who this holder is, and what it took up when it started (PROTOCOL.md 10.4). */
+    char instance[65];                  /* "" from a holder that does not say */
+    char fd_store[17];                  /* "systemd", "keeper", "none" */
+    int64_t keeper_pid;                 /* -1: nil */
+    int64_t adopted, adopted_without_record, adopted_renamed;
+    int64_t restarts, unclean_restarts; /* -1: nil, unknown: the holder lost the count (a
+                                           total loss must never read as "no restart") */
 } escrow_status;
 
 typedef struct escrow_client {
@@ -130,12 +138,23 @@ typedef struct escrow_client {
     double timeout;                     /* seconds per call */
 } escrow_client;
 
-/* A custodian connection (PROTOCOL.md 10.2): sessions deposited through it stay `held`, the
- * app still their reader, until it closes. `sock` is -1 once closed. */
+/* What a custody keeps of each session it holds (escrow_custody.c): a duplicate of the
+ * master, the deposit that put it in escrow, its journal. Opaque. */
+typedef struct escrow_kept escrow_kept;
+
+/* A custodian connection (PROTOCOL.md 10.2): sessions deposited through it (or retrieved
+ * into it) stay `held`, the app still their reader, until it closes. It keeps a duplicate of
+ * every master it holds (one fd a session), so that when the holder goes away it can give
+ * each again to the next one (escrow_custody_resume). `sock` is -1 while there is no
+ * connection (closed, or protection lapsed until a resume). */
 typedef struct escrow_custody {
     int sock;
     escrow_welcome welcome;
     const escrow_client *client;
+    escrow_kept *kept;                  /* the sessions held here: escrow_custody.c's */
+    size_t n_kept, cap_kept;
+    int lapsed;                         /* 1: the connection was lost with sessions held */
+    int retry_ms;                       /* the back-off before the next resume */
 } escrow_custody;
 
 typedef struct escrow_deposit_opts {
@@ -144,6 +163,9 @@ typedef struct escrow_deposit_opts {
     int64_t cols, rows;
     const escrow_meta *meta;
     size_t meta_count;
+    int journal;                        /* 1: ask for a journal (PROTOCOL.md 10.6), then
+                                           read with escrow_custody_read (or record with
+                                           escrow_custody_record) what the app reads */
 } escrow_deposit_opts;
 
 typedef struct escrow_retrieved {
@@ -162,7 +184,28 @@ typedef struct escrow_retrieved {
     size_t n_restored_modes;
     char handoff_id[ESCROW_HANDOFF_ID_MAX + 1];
     int confirmed;                      /* 1: the holder said `done` (or `list` proved it) */
+    int journal;                        /* retrieved into custody with a journal granted:
+                                           the custody records what escrow_custody_read
+                                           reads (the replay stays in the holder's) */
 } escrow_retrieved;
+
+/* What a reclaim took back, what it could not, and who answered (PROTOCOL.md 16). An empty
+ * report from a holder that adopted nothing after restarts (restarts or unclean_restarts
+ * above 0, or -1: unknown) means the escrow was lost, not that there was none. */
+typedef struct escrow_reclaim_failure {
+    char id[ESCROW_NAME_MAX + 1];
+    escrow_error error;                 /* the session's answer: it stays escrowed */
+} escrow_reclaim_failure;
+
+typedef struct escrow_reclaim_report {
+    escrow_retrieved *retrieved;        /* each fd the caller's; confirmed as for a retrieve */
+    size_t n_retrieved;
+    escrow_reclaim_failure *failed;
+    size_t n_failed;
+    char holder_instance[65];
+    int64_t adopted;
+    int64_t restarts, unclean_restarts; /* -1: unknown */
+} escrow_reclaim_report;
 
 /* --- set up ------------------------------------------------------------------------------ */
 
@@ -176,7 +219,12 @@ const char *escrow_code_name(escrow_code code);
 /* --- giving terminals to the holder ------------------------------------------------------ */
 
 escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escrow_error *err);
-/* The holder gets its own copy of `fd` (SCM_RIGHTS); the app keeps reading its own. */
+/* The holder gets its own copy of `fd` (SCM_RIGHTS); the app keeps reading its own, and the
+ * custody keeps a duplicate (to give again after a holder restart). With opts->journal, a
+ * journal granted is mapped here: read the session with escrow_custody_read from then on.
+ * A deposit that got no answer may or may not be escrowed: ESCROW_UNRESPONSIVE (or
+ * ESCROW_UNAVAILABLE), the duplicate kept, protection lapsed: escrow_custody_resume settles
+ * it (a holder that has it resumes it, one that has not is given it again). */
 escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err);
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err);
@@ -189,12 +237,80 @@ escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_er
 escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t cols, int64_t rows,
                                   const escrow_meta *meta, size_t meta_count,
                                   escrow_error *err);
-/* End custody: shut down our side and wait (within the timeout) for the holder to close its
- * side, by when every session held here is draining. The app must not read those fds again. */
+/* End custody: stop every journal, shut down our side and wait (within the timeout) for the
+ * holder to close its side, by when every session held here is draining; close the kept
+ * duplicates. The app must not read those fds again. */
 void escrow_custody_close(escrow_custody *cu);
-/* In a forked child that will not exec: drop the inherited custody socket without a word, so
- * the child never keeps custody alive after the app dies. */
+/* In a forked child that will not exec: drop the inherited custody socket, the duplicates
+ * and the journal mappings without a word, so the child never keeps custody alive after the
+ * app dies and never writes a journal. */
 void escrow_custody_close_in_child(escrow_custody *cu);
+
+/* --- journal: recording what the app reads (PROTOCOL.md 10.6) ---------------------------- */
+
+/* Read up to `size` bytes from the session's master (the custody's duplicate of it, with the
+ * blocking mode the app set on the terminal) and record them into its journal, the read
+ * marked in flight where the holder reads the mark: what read(2) returns (-1 and errno:
+ * EAGAIN, EIO once the terminal hung up). A session without a journal is read only. -1 with
+ * errno ENOENT: not held here. */
+long escrow_custody_read(escrow_custody *cu, const char *id, void *buf, size_t size);
+/* Record bytes the app read itself (one copy into shared memory; a crash between the read
+ * and this call loses that read unmarked, which escrow_custody_read does not). Nothing
+ * happens for a session without a journal. 0, or -1 with errno ENOENT. */
+int escrow_custody_record(escrow_custody *cu, const char *id, const void *data, size_t len);
+/* 1: what is read of this session goes into its replay (its journal is mapped); else 0. */
+int escrow_custody_journaled(const escrow_custody *cu, const char *id);
+
+/* --- when the holder goes away (PROTOCOL.md 10.4) ---------------------------------------- */
+
+/* The fd to watch in the app's run loop for POLLIN: it turns readable when the holder goes
+ * away (a crash, an upgrade), and never between calls otherwise (the custody reads it only
+ * inside a call). -1 while there is no connection: then call escrow_custody_resume after
+ * escrow_custody_retry_ms. It changes with every resume: watch the new one. */
+int escrow_custody_fd(const escrow_custody *cu);
+/* After escrow_custody_fd turned readable: ESCROW_OK and nothing changed if the holder is
+ * still there (nothing was pending); else the connection is closed, protection has lapsed
+ * (escrow_custody_protected 0), and the code says why (ESCROW_UNAVAILABLE). */
+escrow_code escrow_custody_check(escrow_custody *cu, escrow_error *err);
+/* 1: every session held here is escrowed right now; 0: protection has lapsed. */
+int escrow_custody_protected(const escrow_custody *cu);
+/* One try, within the timeout: a new connection that holds every kept session again: one the
+ * holder adopted is resumed (a deposit from this process of the same terminal), one it does
+ * not know is deposited again from the duplicate, journals remapped to the files the answers
+ * carry. ESCROW_OK: protected again. Otherwise try again after escrow_custody_retry_ms (the
+ * back-off doubles, 100 ms to 2 s); a session the holder refuses (ESCROW_EXISTS: escrowed,
+ * but not held for us) names itself in err->id and the others stay held meanwhile. */
+escrow_code escrow_custody_resume(escrow_custody *cu, escrow_error *err);
+int escrow_custody_retry_ms(const escrow_custody *cu);
+
+/* --- taking them back into custody (PROTOCOL.md 12.6, 12.7, 16) -------------------------- */
+
+/* Retrieve one session into this custody (`retrieve{keep}`): the caller gets out->fd and the
+ * replay, and the session stays escrowed, held here, as if deposited. With `journal`, a
+ * journal granted is mapped once `done` came (out->journal 1): read with escrow_custody_read.
+ * Needs "keep" in the welcome's features (else ESCROW_CONFIG, nothing sent). */
+escrow_code escrow_custody_retrieve(escrow_custody *cu, const char *id, int journal,
+                                    escrow_retrieved *out, escrow_error *err);
+/* Every session of the owner back into this custody, over its connection, under one deadline
+ * (`deadline` seconds, <= 0: 8): status (who answered), list, then retrieve_many and ack_many
+ * in rounds (section 16: custody_held retried for a 1 s grace, then only where the custodian
+ * is positively dead; busy retried). ESCROW_OK: every session is in the report, retrieved or
+ * failed; on another code the report still holds what was retrieved (the caller's fds). */
+escrow_code escrow_custody_reclaim_all(escrow_custody *cu, int journal, double deadline,
+                                       escrow_reclaim_report *out, escrow_error *err);
+/* The same out of escrow, on a connection of its own: each session is the caller's alone. */
+escrow_code escrow_reclaim_all(const escrow_client *c, double deadline,
+                               escrow_reclaim_report *out, escrow_error *err);
+void escrow_reclaim_report_free(escrow_reclaim_report *r); /* closes no fd */
+
+/* --- repaint (PROTOCOL.md 12.5) ---------------------------------------------------------- */
+
+/* Make the full-screen program on a retrieved terminal draw its screen again: resize the
+ * window one row smaller, wait for the program's answer and for its output to go quiet
+ * (50 ms), and set the size back, so its foreground process group gets SIGWINCH twice.
+ * Nothing is read from `fd`; bounded by 0.5 s with no answer, 1 s in all. Call it after
+ * writing the replay, before reading. ESCROW_SYSTEM (with errno) if an ioctl fails. */
+escrow_code escrow_repaint(int fd, escrow_error *err);
 
 /* The hand-off (PROTOCOL.md section 11): deposit on a fresh connection and end custody at
  * once. When it returns ESCROW_OK the holder is draining; `fd` stays open in the caller, who
@@ -204,7 +320,7 @@ escrow_code escrow_hand_off(const escrow_client *c, const char *id, int fd,
 
 /* --- taking them back -------------------------------------------------------------------- */
 
-/* Retrieve (PROTOCOL.md section 12). On ESCROW_OK the caller owns out->fd and frees the rest
+/* Retrieve (PROTOCOL.md section 12), out of escrow. On ESCROW_OK the caller owns out->fd and frees the rest
  * with escrow_retrieved_free. out->confirmed 0 means the holder could not confirm (it is
  * gone, which took its copy with it, or it did not answer again); escrow_list tells later. */
 escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retrieved *out,

@@ -168,4 +168,37 @@ escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double de
 escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const char *id,
                                         escrow_error *err);
 
+/* ---- escrow_journal.c: the journal writer (section 10.6) -------------------------------- */
+
+/* One session's journal file, mapped shared and writable; `base` NULL: none. */
+typedef struct escrow__journal {
+    unsigned char *base;    /* the mapping: the header page, then the ring */
+    size_t size;            /* of the mapping */
+    uint64_t capacity;      /* the ring's bytes */
+    int mark_reading;       /* the holder reads `reading` ("journal_reading") */
+} escrow__journal;
+
+/* Check the file (section 10.6, "Check it before the first write") and map it, with
+ * MADV_DONTFORK where there is one. Does not close `fd` (the caller does, at once). -1:
+ * not a journal this writer understands (nothing mapped; the session is escrowed all the
+ * same, without a journal). */
+int escrow__journal_map(escrow__journal *j, int fd, int mark_reading);
+void escrow__journal_unmap(escrow__journal *j);
+/* Record bytes read from the master (pieces of at most 8192, `writing`, copy, `total`). */
+void escrow__journal_record(escrow__journal *j, const void *data, size_t len);
+/* read(2) on `master` whose bytes are recorded, marked in flight (or, for a holder without
+ * the mark, read straight into the ring once the master is readable). */
+long escrow__journal_read(escrow__journal *j, int master, void *buf, size_t size);
+
+/* ---- escrow_custody.c: what a custody keeps (sections 10.2, 10.4) ----------------------- */
+
+/* A session retrieved into custody `cu` (its `done` came): keep a duplicate of r->fd, the
+ * session's deposit (from r->session: label, child_pid, size, meta) and, when `journal_fd`
+ * >= 0, map that journal file (closing it) and set r->journal. ESCROW_SYSTEM if it cannot
+ * keep it (then the session is held by us all the same, unprotected: lapsed). */
+escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
+                                 escrow_error *err);
+/* The custody's connection failed in a call with no answer: close it, protection lapsed. */
+void escrow__custody_lost(escrow_custody *cu);
+
 #endif
