@@ -42,6 +42,12 @@ static const char usage[] =
     "                            fork: a forked child drops the custody and reports its fds\n"
     "  retrieve ID [LINES]       retrieve; write the replay to stdout, then live output\n"
     "                            until LINES more newlines (default 0)\n"
+    "  reclaim [--keep] [--journal] [--deadline S] [--hold]\n"
+    "                            reclaim every session (--keep: into a custody); the report\n"
+    "                            on stderr; --hold: keep custody until stdin closes\n"
+    "  custody-retrieve ID [--journal] [--hold]\n"
+    "                            retrieve one session into a custody; the facts on stderr\n"
+    "  repaint FD                make the program on the inherited master FD redraw\n"
     "  cmsg                      the control messages that carry fd 7, and fds 7 and 9,\n"
     "                            and the constants\n"
     "  encode TYPE ARG...        a request frame from the C encoder, in hex (BOOL: true\n"
@@ -149,7 +155,14 @@ static void json_status(FILE *out, const escrow_status *s) {
     fputs(", \"limits\": ", out), json_ints(out, &s->limits);
     fputs(", \"open_fds\": ", out), json_opt_int(out, s->open_fds);
     fputs(", \"rss_bytes\": ", out), json_opt_int(out, s->rss_bytes);
-    fputs("}\n", out);
+    fputs(", \"instance\": ", out), json_str(out, s->instance);
+    fputs(", \"fd_store\": ", out), json_str(out, s->fd_store);
+    fputs(", \"keeper_pid\": ", out), json_opt_int(out, s->keeper_pid);
+    fprintf(out, ", \"adopted\": %lld, \"restarts\": ", (long long)s->adopted);
+    json_opt_int(out, s->restarts);
+    fputs(", \"unclean_restarts\": ", out), json_opt_int(out, s->unclean_restarts);
+    fprintf(out, ", \"adopted_without_record\": %lld, \"adopted_renamed\": %lld}\n",
+            (long long)s->adopted_without_record, (long long)s->adopted_renamed);
 }
 
 static void json_sessions(FILE *out, const escrow_session *s, size_t n) {
@@ -658,6 +671,110 @@ static int cmd_decode(const char *hex) {
     return r == 0 ? 0 : (int)ESCROW_PROTOCOL;
 }
 
+/* ---- into custody, reclaim, repaint (escrow_reclaim.c, escrow_repaint.c) ------------------ */
+
+static void json_retrieved(FILE *out, const escrow_retrieved *r) {
+    fputs("{\"id\": ", out), json_str(out, r->session.id);
+    fprintf(out, ", \"confirmed\": %s, \"tty\": %s, \"journal\": %s, \"replay\": ",
+            r->confirmed ? "true" : "false", r->fd >= 0 && isatty(r->fd) ? "true" : "false",
+            r->journal ? "true" : "false");
+    json_hex(out, r->replay, r->replay_len);
+    fprintf(out, ", \"dropped_bytes\": %lld, \"child_pid\": ", (long long)r->dropped_bytes);
+    json_opt_int(out, r->session.child_pid);
+    fputc('}', out);
+}
+
+static void json_report(FILE *out, const escrow_reclaim_report *r) {
+    fputs("{\"report\": {\"holder_instance\": ", out), json_str(out, r->holder_instance);
+    fprintf(out, ", \"adopted\": %lld, \"restarts\": ", (long long)r->adopted);
+    json_opt_int(out, r->restarts);
+    fputs(", \"unclean_restarts\": ", out), json_opt_int(out, r->unclean_restarts);
+    fputs(", \"retrieved\": [", out);
+    for (size_t i = 0; i < r->n_retrieved; i++)
+        fputs(i > 0 ? ", " : "", out), json_retrieved(out, &r->retrieved[i]);
+    fputs("], \"failed\": {", out);
+    for (size_t i = 0; i < r->n_failed; i++) {
+        fputs(i > 0 ? ", " : "", out), json_str(out, r->failed[i].id);
+        fputs(": {\"code\": ", out), json_str(out, r->failed[i].error.code_name);
+        fputs(", \"message\": ", out), json_str(out, r->failed[i].error.message);
+        fputc('}', out);
+    }
+    fputs("}}}\n", out);
+}
+
+/* Until stdin closes: the test looks at what the holder says meanwhile, or SIGKILLs us. */
+static void hold(void) {
+    char sink[64];
+    fputs("{\"holding\": true}\n", stderr);
+    fflush(stderr);
+    while (read(0, sink, sizeof sink) > 0) continue;
+}
+
+/* reclaim and custody-retrieve: the flags after the command's own arguments. */
+typedef struct custody_flags {
+    int keep, journal, hold;
+    double deadline;
+} custody_flags;
+
+static int parse_custody_flags(int argc, char **argv, custody_flags *f) {
+    memset(f, 0, sizeof *f);
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--keep") == 0) f->keep = 1;
+        else if (strcmp(argv[i], "--journal") == 0) f->journal = 1;
+        else if (strcmp(argv[i], "--hold") == 0) f->hold = 1;
+        else if (strcmp(argv[i], "--deadline") == 0 && i + 1 < argc) f->deadline = atof(argv[++i]);
+        else return -1;
+    }
+    return 0;
+}
+
+static int cmd_reclaim(const escrow_client *c, const custody_flags *f) {
+    escrow_custody cu;
+    escrow_reclaim_report report;
+    escrow_error err;
+    escrow_code rc = ESCROW_OK;
+    if (f->keep && (rc = escrow_custody_open(c, &cu, &err)) != ESCROW_OK) return failed(rc, &err);
+    rc = f->keep ? escrow_custody_reclaim_all(&cu, f->journal, f->deadline, &report, &err)
+                 : escrow_reclaim_all(c, f->deadline, &report, &err);
+    json_report(stderr, &report);
+    if (rc != ESCROW_OK) json_error(stderr, &err);
+    if (f->hold) hold();
+    for (size_t i = 0; i < report.n_retrieved; i++) close(report.retrieved[i].fd);
+    escrow_reclaim_report_free(&report);
+    if (f->keep) escrow_custody_close(&cu);
+    return (int)rc;
+}
+
+static int cmd_custody_retrieve(const escrow_client *c, const char *id, const custody_flags *f) {
+    escrow_custody cu;
+    escrow_retrieved got;
+    escrow_error err;
+    escrow_code rc = escrow_custody_open(c, &cu, &err);
+    if (rc != ESCROW_OK) return failed(rc, &err);
+    rc = escrow_custody_retrieve(&cu, id, f->journal, &got, &err);
+    if (rc == ESCROW_OK) {
+        fputs("{\"retrieved\": ", stderr), json_retrieved(stderr, &got), fputs("}\n", stderr);
+        fwrite(got.replay, 1, got.replay_len, stdout);
+        fflush(stdout);
+    } else {
+        json_error(stderr, &err);
+    }
+    if (f->hold) hold();
+    if (rc == ESCROW_OK) {
+        close(got.fd);
+        escrow_retrieved_free(&got);
+    }
+    escrow_custody_close(&cu);
+    return (int)rc;
+}
+
+static int cmd_repaint(int fd) {
+    escrow_error err;
+    escrow_code rc = escrow_repaint(fd, &err);
+    close(fd); /* inherited for the call */
+    return rc == ESCROW_OK ? 0 : failed(rc, &err);
+}
+
 static int command(int argc, char **argv) {
     const char *socket_path = NULL, *owner = "com.example.term";
     double timeout = 0;
@@ -727,6 +844,13 @@ static int command(int argc, char **argv) {
     if (strcmp(cmd, "app") == 0 && nargs == 4) return cmd_app(&c, args);
     if (strcmp(cmd, "custody-app") == 0 && (nargs == 4 || nargs == 5))
         return cmd_custody_app(&c, args, nargs == 5 && strcmp(args[4], "fork") == 0);
+    custody_flags flags;
+    if (strcmp(cmd, "reclaim") == 0 && parse_custody_flags(nargs, args, &flags) == 0)
+        return cmd_reclaim(&c, &flags);
+    if (strcmp(cmd, "custody-retrieve") == 0 && nargs >= 1 &&
+        parse_custody_flags(nargs - 1, args + 1, &flags) == 0)
+        return cmd_custody_retrieve(&c, args[0], &flags);
+    if (strcmp(cmd, "repaint") == 0 && nargs == 1) return cmd_repaint(atoi(args[0]));
     if (strcmp(cmd, "retrieve") == 0 && (nargs == 1 || nargs == 2))
         return cmd_retrieve(&c, args[0], nargs == 2 ? (size_t)atoll(args[1]) : 0);
     fputs(usage, stderr);
