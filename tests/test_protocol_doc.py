@@ -174,6 +174,19 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
     "handoff_replay_file": ("14.10", protocol.Handoff(
         handoff_id=HANDOFF_ID, session=_TAB_1, replay=b"",
         replay_file=protocol.ReplayFile(offset=0, length=6))),
+    # Section 14.11: the app of 14.7 relaunched after the holder was SIGKILLed under its
+    # keeper: status first (who answered, what it adopted), then tab-3 into custody again.
+    "status": ("14.11", protocol.Status()),
+    "holder_status": ("14.11", protocol.HolderStatus(
+        pid=4243, version="0.1.0", started_at=1767225700.5,
+        socket="/run/user/1000/escrowd/escrowd.sock",
+        sessions_by_state={"draining": 3}, counters={"connections": 1}, limits={},
+        open_fds=17, rss_bytes=31457280, instance="7c1e9a04", fd_store="keeper",
+        keeper_pid=4200, adopted=3, restarts=1, unclean_restarts=1,
+        adopted_without_record=1, adopted_renamed=0,
+    )),
+    "retrieve_keep": ("14.11", protocol.Retrieve(id="tab-3", keep=True, journal=True)),
+    "ack_keep": ("14.11", protocol.Ack(id="tab-3", handoff_id=HANDOFF_ID_2, keep=True)),
 }
 
 
