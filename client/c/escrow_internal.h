@@ -19,6 +19,9 @@
  *                     10.2, 10.4, 10.5)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
+ *   escrow_reclaim.c  retrieve into custody, retrieve_many with ack_many, and every session
+ *                     at launch with its report (sections 12.6, 12.7 and 16)
+ *   escrow_repaint.c  the program on a retrieved terminal made to redraw (section 12.5)
  *
  * A port reads them in that order; one whose language has MessagePack skips the first
  * section of escrow_codec.c.
