@@ -348,11 +348,11 @@ static void put_meta(mp_out *o, const escrow_meta *meta, size_t count) {
     for (size_t i = 0; i < count; i++) mp_str(o, meta[i].key), mp_str(o, meta[i].value);
 }
 
-/* `journal`: ask to record into the ring (section 10.6). The API never asks (escrow_deposit
- * passes 0); the codec writes either, for the test vectors. */
+/* `journal`: ask for a journal file to record into (section 10.6): escrow_deposit asks when
+ * the app's opts->journal says so. */
 escrow_code escrow__encode_deposit(mp_out *o, const char *id, const escrow_deposit_opts *opts,
                                    int journal, escrow_error *err) {
-    static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0};
+    static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0, 0};
     if (opts == NULL) opts = &none;
     begin(o, "deposit", 7);
     mp_str(o, "id"), mp_str(o, id);

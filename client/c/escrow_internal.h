@@ -1,6 +1,6 @@
 /* escrow_internal.h: what the files of the C client share with each other; no app includes it.
  *
- * The client is five files, one concern each, read in this order; each uses only the files
+ * The client's files have one concern each, read in this order; each uses only the files
  * above it, and every section in them names the PROTOCOL.md section it implements:
  *
  *   escrow_errors.c   errors and deadlines: the codes (section 9), and every wait a poll
@@ -12,8 +12,13 @@
  *   escrow_connect.c  the socket's path, the trust checks, connect (section 1), hello and
  *                     welcome, one request at a time (section 5), the timeout invariant
  *                     (section 12.1)
- *   escrow.c          the calls of escrow.h: custody, deposit, release, update, the
- *                     hand-off, list, status, retrieve (sections 8, 10, 11 and 12)
+ *   escrow_journal.c  the journal writer: the file's checks, its counters, the `reading`
+ *                     mark (section 10.6)
+ *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
+ *                     session, and taking custody back when the holder goes away (sections
+ *                     10.2, 10.4, 10.5)
+ *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
+ *                     status, release, update, retrieve (sections 8, 11 and 12)
  *
  * A port reads them in that order; one whose language has MessagePack skips the first
  * section of escrow_codec.c.
@@ -176,6 +181,7 @@ typedef struct escrow__journal {
     size_t size;            /* of the mapping */
     uint64_t capacity;      /* the ring's bytes */
     int mark_reading;       /* the holder reads `reading` ("journal_reading") */
+    int dontfork;           /* MADV_DONTFORK took: a forked child has no such mapping */
 } escrow__journal;
 
 /* Check the file (section 10.6, "Check it before the first write") and map it, with
