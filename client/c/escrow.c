@@ -154,8 +154,8 @@ static void give_back(escrow_retrieved *r) {
 }
 
 /* `done` never came: ask on a fresh connection who owns the fd (section 12.3). We still hold
- * our copy, unread. */
-static escrow_code resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err) {
+ * our copy, unread. (escrow_reclaim.c asks it too, for a retrieve_many.) */
+escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err) {
     double deadline = escrow__now() + c->timeout;
     const char *id = r->session.id;
     for (;;) {
@@ -257,7 +257,7 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
     }
     if (rc == ESCROW_UNRESPONSIVE || rc == ESCROW_UNAVAILABLE || rc == ESCROW_PROTOCOL ||
         rc == ESCROW_SYSTEM)
-        return resolve(c, out, err); /* no answer: ask who owns it */
+        return escrow__resolve(c, out, err); /* no answer: ask who owns it */
     give_back(out); /* ack_late, or the ack refused: the holder is draining it again */
     return rc;
 }

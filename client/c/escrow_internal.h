@@ -141,9 +141,7 @@ int escrow__decode_error_fields(const frame *f, escrow_error *e);
 /* An `error` frame, as the escrow_code it names (ESCROW_OTHER for a code newer than us). */
 escrow_code escrow__decode_error(const frame *f, escrow_error *err);
 
-#ifdef ESCROW_FULL_CODEC
-/* Messages the API neither sends nor receives (it offers no retrieve_many), written out for
- * ports and checked against the test vectors: escrow-c.c is built with ESCROW_FULL_CODEC. */
+/* retrieve_many, ack_many and done_many (section 12.7): escrow_reclaim.c speaks them. */
 escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
                                          int keep, int journal, int replay_file,
                                          escrow_error *err);
@@ -152,7 +150,6 @@ escrow_code escrow__encode_ack_many(mp_out *o, const char *const *ids,
                                     escrow_error *err);
 int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1],
                              size_t *count);
-#endif
 
 /* ---- escrow_frames.c: frames, and the fds that ride on them ----------------------------- */
 
@@ -172,6 +169,12 @@ escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double de
                          frame *f, escrow_error *err);
 escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const char *id,
                                         escrow_error *err);
+
+/* ---- escrow.c: retrieve (section 12) ----------------------------------------------------- */
+
+/* `done` never came for `r` (acked, its fd held unread): the table of 12.3, on a fresh
+ * connection. On any code but ESCROW_OK the fd was closed and `r` freed. */
+escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err);
 
 /* ---- escrow_journal.c: the journal writer (section 10.6) -------------------------------- */
 
