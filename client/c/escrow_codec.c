@@ -352,7 +352,7 @@ static void put_meta(mp_out *o, const escrow_meta *meta, size_t count) {
  * passes 0); the codec writes either, for the test vectors. */
 escrow_code escrow__encode_deposit(mp_out *o, const char *id, const escrow_deposit_opts *opts,
                                    int journal, escrow_error *err) {
-    static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0};
+    static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0, 0};
     if (opts == NULL) opts = &none;
     begin(o, "deposit", 7);
     mp_str(o, "id"), mp_str(o, id);
