@@ -35,6 +35,11 @@ static const char usage[] =
     "  hand-off ID FD [PID]      deposit the inherited FD and end custody at once\n"
     "  app ID FD PID UNTIL       deposit FD under custody, copy its output to stdout until\n"
     "                            UNTIL has appeared, then end custody\n"
+    "  custody-app ID FD PID JOURNAL [fork]\n"
+    "                            deposit FD (with a journal if JOURNAL is 1), read it with\n"
+    "                            escrow_custody_read to stdout, take custody back whenever\n"
+    "                            the holder goes away, until stdin ends; events on stderr.\n"
+    "                            fork: a forked child drops the custody and reports its fds\n"
     "  retrieve ID [LINES]       retrieve; write the replay to stdout, then live output\n"
     "                            until LINES more newlines (default 0)\n"
     "  cmsg                      the control messages that carry fd 7, and fds 7 and 9,\n"
@@ -267,6 +272,107 @@ static int cmd_retrieve(const escrow_client *c, const char *id, size_t lines) {
     close(got.fd);
     escrow_retrieved_free(&got);
     return r == 0 ? 0 : 99;
+}
+
+/* ---- custody that survives the holder (escrow_custody.c, PROTOCOL.md 10.4 and 10.6) ------- */
+
+static void event(const char *name, escrow_code rc, const escrow_error *e) {
+    fprintf(stderr, "{\"event\": \"%s\"", name);
+    if (rc != ESCROW_OK) {
+        fputs(", \"code\": ", stderr), json_str(stderr, e->code_name);
+        fputs(", \"id\": ", stderr), json_str(stderr, e->id);
+    }
+    fputs("}\n", stderr);
+}
+
+/* A forked child that does not exec: it drops the custody, says which fds it has and
+ * whether a journal is mapped in it, and lives until stdin ends. */
+static void child_holds_nothing(escrow_custody *cu, int fd) {
+    escrow_custody_close_in_child(cu);
+    close(fd);
+    fprintf(stderr, "{\"event\": \"child\", \"pid\": %ld, \"fds\": [", (long)getpid());
+    for (int i = 0, n = 0; i < 1024; i++)
+        if (fcntl(i, F_GETFD) != -1) fprintf(stderr, "%s%d", n++ ? ", " : "", i);
+    int mapped = 0;
+    FILE *maps = fopen("/proc/self/maps", "r");
+    char line[512];
+    while (maps != NULL && fgets(line, sizeof line, maps) != NULL)
+        mapped |= strstr(line, "escrowd:journal") != NULL;
+    if (maps != NULL) fclose(maps);
+    fprintf(stderr, "], \"journal_mapped\": %s}\n", mapped ? "true" : "false");
+    fflush(stderr);
+    char sink[64];
+    while (read(0, sink, sizeof sink) > 0) {
+    }
+    _exit(0);
+}
+
+static int cmd_custody_app(const escrow_client *c, char **argv, int forks) {
+    escrow_custody cu;
+    escrow_error err;
+    escrow_deposit_opts opts = opts_for(3, argv, 2);
+    const char *id = argv[0];
+    int fd = atoi(argv[1]);
+    opts.journal = atoi(argv[3]);
+    escrow_code rc = escrow_custody_open(c, &cu, &err);
+    if (rc == ESCROW_OK) rc = escrow_deposit(&cu, id, fd, &opts, &err);
+    if (rc != ESCROW_OK) {
+        escrow_custody_close(&cu);
+        close(fd);
+        return failed(rc, &err);
+    }
+    fprintf(stderr, "{\"event\": \"deposited\", \"journaled\": %s}\n",
+            escrow_custody_journaled(&cu, id) ? "true" : "false");
+    fflush(stderr);
+    if (forks) {
+        pid_t pid = fork();
+        if (pid == 0) child_holds_nothing(&cu, fd);
+        if (pid < 0) perror("fork");
+    }
+    int reading = 1;
+    double next_try = 0;
+    for (;;) {
+        struct pollfd p[3] = {{0, POLLIN, 0}, {reading ? fd : -1, POLLIN, 0},
+                              {escrow_custody_fd(&cu), POLLIN, 0}};
+        int wait = -1;
+        if (!escrow_custody_protected(&cu)) {
+            wait = escrow__ms_left(next_try);
+            if (wait == 0) {
+                rc = escrow_custody_resume(&cu, &err);
+                event(rc == ESCROW_OK ? "protected" : "resume_failed", rc, &err);
+                next_try = escrow__now() + escrow_custody_retry_ms(&cu) / 1000.0;
+                continue;
+            }
+        }
+        if (poll(p, 3, wait) < 0) continue;
+        if (p[0].revents != 0) {
+            char sink[64];
+            if (read(0, sink, sizeof sink) <= 0) break; /* stdin ended: so does the app */
+        }
+        if (p[1].revents != 0) {
+            char buf[4096];
+            long n = escrow_custody_read(&cu, id, buf, sizeof buf);
+            if (n > 0) {
+                fwrite(buf, 1, (size_t)n, stdout);
+                fflush(stdout);
+            } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+                reading = 0; /* the terminal hung up */
+                event("hung_up", ESCROW_OK, &err);
+            }
+        }
+        if (p[2].fd >= 0 && p[2].revents != 0) {
+            rc = escrow_custody_check(&cu, &err);
+            if (rc != ESCROW_OK) {
+                event("lapsed", rc, &err);
+                next_try = escrow__now() + escrow_custody_retry_ms(&cu) / 1000.0;
+            }
+        }
+        fflush(stderr);
+    }
+    escrow_custody_close(&cu); /* custody ends: the holder drains from here on */
+    close(fd);
+    event("closed", ESCROW_OK, &err);
+    return 0;
 }
 
 /* The control message that carries `n` fds (7, then 9), in hex, built by the C macros. */
@@ -619,6 +725,8 @@ static int command(int argc, char **argv) {
         return rc == ESCROW_OK ? 0 : failed(rc, &err);
     }
     if (strcmp(cmd, "app") == 0 && nargs == 4) return cmd_app(&c, args);
+    if (strcmp(cmd, "custody-app") == 0 && (nargs == 4 || nargs == 5))
+        return cmd_custody_app(&c, args, nargs == 5 && strcmp(args[4], "fork") == 0);
     if (strcmp(cmd, "retrieve") == 0 && (nargs == 1 || nargs == 2))
         return cmd_retrieve(&c, args[0], nargs == 2 ? (size_t)atoll(args[1]) : 0);
     fputs(usage, stderr);

@@ -1,16 +1,13 @@
-/* escrow.c: the calls of escrow.h, each a short exchange on a greeted connection.
+/* escrow.c: the calls of escrow.h on a fresh connection, each a short exchange.
  *
- * Giving terminals to the holder: a custodian connection (PROTOCOL.md section 10.2) deposits
- * them, releases and updates them (10.5), and when it closes (SHUT_WR, then the holder's end
- * of stream) every session it held is draining. The hand-off (section 11) is a deposit and
- * the end of custody at once. Asking: list, status, release and update, each on a fresh
+ * The hand-off (section 11) is a deposit and the end of custody at once (custody itself is
+ * escrow_custody.c's). Asking: list, status, release and update, each on a fresh
  * connection (section 8). Taking a terminal back: retrieve (section 12), which acks only once
  * it holds the fd and it is a terminal, never reads the fd before `done`, and when `done`
  * never comes asks on a fresh connection who owns it.
  *
- * The fds: every call closes each connection it opened before it returns, except
- * escrow_custody_open's, which escrow_custody_close (or _close_in_child) closes. It never
- * closes the caller's fd (a deposit's copy goes to the holder on the frame), and keeps no fd
+ * The fds: every call closes each connection it opened before it returns, and never
+ * closes the caller's fd (a deposit's copy goes to the holder on the frame). It keeps no fd
  * that comes with an answer, except the master of a retrieve, which escrow_retrieve hands to
  * the caller (escrow_retrieved.fd) on ESCROW_OK, and closes on every other return.
  */
@@ -24,11 +21,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-/* ---- custody, and the hand-off (PROTOCOL.md sections 10.2, 10.5 and 11) ----------------- */
-
-escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escrow_error *err) {
-    return escrow__connect_greet(c, cu, escrow__now() + c->timeout, err);
-}
+/* ---- calls with one answer (PROTOCOL.md section 8) -------------------------------------- */
 
 /* A call with one {id} answer on a greeted connection: release, update. */
 static escrow_code id_call(conn *c, mp_out *o, int fd, const char *want, const char *id,
@@ -44,36 +37,6 @@ static escrow_code id_call(conn *c, mp_out *o, int fd, const char *want, const c
     return rc;
 }
 
-escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
-                           const escrow_deposit_opts *opts, escrow_error *err) {
-    mp_out o = {0};
-    frame f;
-    if (cu->sock < 0) return escrow__fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
-    escrow_code rc = escrow__encode_deposit(&o, id, opts, 0, err); /* no journal: section 10.6 */
-    if (rc == ESCROW_OK)
-        rc = escrow__call(cu, &o, fd, "deposited", escrow__now() + cu->client->timeout, &f, err);
-    free(o.data);
-    if (rc != ESCROW_OK) return rc;
-    char got[ESCROW_NAME_MAX + 1];
-    journal_info journal;
-    if (escrow__decode_deposited(&f, got, &journal) != 0)
-        rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed deposited");
-    /* A journal file comes only with a journal, which this client never asks for; the one a
-     * holder may still send (resuming a session that journals, section 10.4) is closed
-     * with the frame: this client never writes a journal. */
-    escrow__frame_free(&f);
-    return rc;
-}
-
-escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err) {
-    mp_out o = {0};
-    if (cu->sock < 0) return escrow__fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
-    escrow_code rc = escrow__encode_id(&o, "release", id, err);
-    if (rc == ESCROW_OK) rc = id_call(cu, &o, -1, "released", id, err);
-    free(o.data);
-    return rc;
-}
-
 /* update (section 10.5) on a greeted connection: {id} answered `updated{id}`. */
 static escrow_code update_on(conn *c, const char *id, int64_t cols, int64_t rows,
                              const escrow_meta *meta, size_t meta_count, escrow_error *err) {
@@ -84,33 +47,7 @@ static escrow_code update_on(conn *c, const char *id, int64_t cols, int64_t rows
     return rc;
 }
 
-escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t cols, int64_t rows,
-                                  const escrow_meta *meta, size_t meta_count,
-                                  escrow_error *err) {
-    if (cu->sock < 0) return escrow__fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
-    return update_on(cu, id, cols, rows, meta, meta_count, err);
-}
-
-void escrow_custody_close(escrow_custody *cu) {
-    if (cu->sock < 0) return;
-    /* The holder closes its side once it has ended our custody: every session held here is
-     * draining by then. Nothing else arrives after our SHUT_WR (section 11). */
-    double deadline = escrow__now() + cu->client->timeout;
-    if (shutdown(cu->sock, SHUT_WR) == 0) {
-        unsigned char sink[256];
-        for (;;) {
-            ssize_t n = recv(cu->sock, sink, sizeof sink, 0);
-            if (n == 0) break;
-            if (n > 0 || errno == EINTR) continue;
-            if ((errno != EAGAIN && errno != EWOULDBLOCK) ||
-                escrow__wait_io(cu->sock, POLLIN, deadline) != 0)
-                break; /* the holder acts on our hang-up anyway; waiting was a courtesy */
-        }
-    }
-    escrow__conn_close(cu);
-}
-
-void escrow_custody_close_in_child(escrow_custody *cu) { escrow__conn_close(cu); }
+/* ---- the hand-off (PROTOCOL.md section 11) ---------------------------------------------- */
 
 escrow_code escrow_hand_off(const escrow_client *c, const char *id, int fd,
                             const escrow_deposit_opts *opts, escrow_error *err) {
@@ -217,8 +154,8 @@ static void give_back(escrow_retrieved *r) {
 }
 
 /* `done` never came: ask on a fresh connection who owns the fd (section 12.3). We still hold
- * our copy, unread. */
-static escrow_code resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err) {
+ * our copy, unread. (escrow_reclaim.c asks it too, for a retrieve_many.) */
+escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err) {
     double deadline = escrow__now() + c->timeout;
     const char *id = r->session.id;
     for (;;) {
@@ -320,7 +257,7 @@ escrow_code escrow_retrieve(const escrow_client *c, const char *id, escrow_retri
     }
     if (rc == ESCROW_UNRESPONSIVE || rc == ESCROW_UNAVAILABLE || rc == ESCROW_PROTOCOL ||
         rc == ESCROW_SYSTEM)
-        return resolve(c, out, err); /* no answer: ask who owns it */
+        return escrow__resolve(c, out, err); /* no answer: ask who owns it */
     give_back(out); /* ack_late, or the ack refused: the holder is draining it again */
     return rc;
 }

@@ -61,13 +61,11 @@ static void mp_map(mp_out *o, uint32_t n) {
     else put_be(o, 0xdf, n, 4);
 }
 
-#ifdef ESCROW_FULL_CODEC /* only retrieve_many sends an array */
-static void mp_array(mp_out *o, uint32_t n) {
+static void mp_array(mp_out *o, uint32_t n) { /* only retrieve_many sends one */
     if (n < 16) put_byte(o, 0x90 | n);
     else if (n <= 0xffff) put_be(o, 0xdc, n, 2);
     else put_be(o, 0xdd, n, 4);
 }
-#endif
 
 static void mp_str(mp_out *o, const char *s) {
     size_t n = strlen(s);
@@ -348,8 +346,8 @@ static void put_meta(mp_out *o, const escrow_meta *meta, size_t count) {
     for (size_t i = 0; i < count; i++) mp_str(o, meta[i].key), mp_str(o, meta[i].value);
 }
 
-/* `journal`: ask to record into the ring (section 10.6). The API never asks (escrow_deposit
- * passes 0); the codec writes either, for the test vectors. */
+/* `journal`: ask for a journal file to record into (section 10.6): escrow_deposit asks when
+ * the app's opts->journal says so. */
 escrow_code escrow__encode_deposit(mp_out *o, const char *id, const escrow_deposit_opts *opts,
                                    int journal, escrow_error *err) {
     static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0, 0};
@@ -415,10 +413,7 @@ escrow_code escrow__encode_update(mp_out *o, const char *id, int64_t cols, int64
     return finish(o, err);
 }
 
-#ifdef ESCROW_FULL_CODEC
-/* Messages the API neither sends nor receives (it offers no retrieve_many), written out for
- * ports and checked against the test vectors: escrow-c.c is built with ESCROW_FULL_CODEC. */
-
+/* retrieve_many (section 12.7): 1 to 4096 distinct ids, `keep` and `journal` as retrieve's. */
 escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
                                          int keep, int journal, int replay_file,
                                          escrow_error *err) {
@@ -441,7 +436,6 @@ escrow_code escrow__encode_ack_many(mp_out *o, const char *const *ids,
     mp_str(o, "keep"), mp_bool(o, keep);
     return finish(o, err);
 }
-#endif
 
 escrow_code escrow__encode_list(mp_out *o, int all_owners, escrow_error *err) {
     begin(o, "list", 1);
@@ -807,7 +801,6 @@ int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *
     return need == 0 ? 0 : -1;
 }
 
-#ifdef ESCROW_FULL_CODEC
 /* done_many: {ids}, the sessions an ack_many acked, as an array the caller frees (whatever
  * the result). */
 int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1], size_t *count) {
@@ -837,7 +830,6 @@ int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1], 
     }
     return have ? 0 : -1;
 }
-#endif
 
 static int rd_sessions(mp_in *in, escrow_session **out, size_t *count) {
     size_t n;
@@ -875,7 +867,8 @@ int escrow__decode_status(const frame *f, escrow_status *s) {
     mp_in in = {f->body, f->body + f->len};
     size_t n;
     memset(s, 0, sizeof *s);
-    s->open_fds = s->rss_bytes = -1;
+    s->open_fds = s->rss_bytes = s->keeper_pid = -1;
+    memcpy(s->fd_store, "none", 5); /* section 7's default */
     if (rd_map(&in, &n) != 0) return -1;
     for (size_t i = 0; i < n; i++) {
         const char *k;
@@ -893,6 +886,15 @@ int escrow__decode_status(const frame *f, escrow_status *s) {
         else if (key_is(k, kl, "limits")) r = rd_ints(&in, &s->limits);
         else if (key_is(k, kl, "open_fds")) r = rd_opt_int(&in, &s->open_fds);
         else if (key_is(k, kl, "rss_bytes")) r = rd_opt_int(&in, &s->rss_bytes);
+        else if (key_is(k, kl, "instance")) r = rd_cut(&in, s->instance, sizeof s->instance);
+        else if (key_is(k, kl, "fd_store")) r = rd_exact(&in, s->fd_store, sizeof s->fd_store);
+        else if (key_is(k, kl, "keeper_pid")) r = rd_opt_int(&in, &s->keeper_pid);
+        else if (key_is(k, kl, "adopted")) r = rd_int(&in, &s->adopted);
+        else if (key_is(k, kl, "adopted_without_record"))
+            r = rd_int(&in, &s->adopted_without_record);
+        else if (key_is(k, kl, "adopted_renamed")) r = rd_int(&in, &s->adopted_renamed);
+        else if (key_is(k, kl, "restarts")) r = rd_opt_int(&in, &s->restarts);
+        else if (key_is(k, kl, "unclean_restarts")) r = rd_opt_int(&in, &s->unclean_restarts);
         else r = rd_skip(&in, 0);
         if (r != 0) return -1;
     }

@@ -1,6 +1,6 @@
 /* escrow_internal.h: what the files of the C client share with each other; no app includes it.
  *
- * The client is five files, one concern each, read in this order; each uses only the files
+ * The client's files have one concern each, read in this order; each uses only the files
  * above it, and every section in them names the PROTOCOL.md section it implements:
  *
  *   escrow_errors.c   errors and deadlines: the codes (section 9), and every wait a poll
@@ -12,8 +12,13 @@
  *   escrow_connect.c  the socket's path, the trust checks, connect (section 1), hello and
  *                     welcome, one request at a time (section 5), the timeout invariant
  *                     (section 12.1)
- *   escrow.c          the calls of escrow.h: custody, deposit, release, update, the
- *                     hand-off, list, status, retrieve (sections 8, 10, 11 and 12)
+ *   escrow_journal.c  the journal writer: the file's checks, its counters, the `reading`
+ *                     mark (section 10.6)
+ *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
+ *                     session, and taking custody back when the holder goes away (sections
+ *                     10.2, 10.4, 10.5)
+ *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
+ *                     status, release, update, retrieve (sections 8, 11 and 12)
  *
  * A port reads them in that order; one whose language has MessagePack skips the first
  * section of escrow_codec.c.
@@ -136,9 +141,7 @@ int escrow__decode_error_fields(const frame *f, escrow_error *e);
 /* An `error` frame, as the escrow_code it names (ESCROW_OTHER for a code newer than us). */
 escrow_code escrow__decode_error(const frame *f, escrow_error *err);
 
-#ifdef ESCROW_FULL_CODEC
-/* Messages the API neither sends nor receives (it offers no retrieve_many), written out for
- * ports and checked against the test vectors: escrow-c.c is built with ESCROW_FULL_CODEC. */
+/* retrieve_many, ack_many and done_many (section 12.7): escrow_reclaim.c speaks them. */
 escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
                                          int keep, int journal, int replay_file,
                                          escrow_error *err);
@@ -147,7 +150,6 @@ escrow_code escrow__encode_ack_many(mp_out *o, const char *const *ids,
                                     escrow_error *err);
 int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1],
                              size_t *count);
-#endif
 
 /* ---- escrow_frames.c: frames, and the fds that ride on them ----------------------------- */
 
@@ -168,6 +170,12 @@ escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double de
 escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const char *id,
                                         escrow_error *err);
 
+/* ---- escrow.c: retrieve (section 12) ----------------------------------------------------- */
+
+/* `done` never came for `r` (acked, its fd held unread): the table of 12.3, on a fresh
+ * connection. On any code but ESCROW_OK the fd was closed and `r` freed. */
+escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err);
+
 /* ---- escrow_journal.c: the journal writer (section 10.6) -------------------------------- */
 
 /* One session's journal file, mapped shared and writable; `base` NULL: none. */
@@ -176,6 +184,7 @@ typedef struct escrow__journal {
     size_t size;            /* of the mapping */
     uint64_t capacity;      /* the ring's bytes */
     int mark_reading;       /* the holder reads `reading` ("journal_reading") */
+    int dontfork;           /* MADV_DONTFORK took: a forked child has no such mapping */
 } escrow__journal;
 
 /* Check the file (section 10.6, "Check it before the first write") and map it, with
