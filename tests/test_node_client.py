@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from hostile import COUNTER, assert_gap_free_from_1, read_more_lines
 from test_c_client import REQUEST_VECTORS, VECTORS, encode_args
+from test_survive import kill_serving_holder
 
 from conftest import OWNER, HolderProcess, PtyChild, require_program, wait_for
 
@@ -284,3 +285,115 @@ def test_errors_carry_the_code_the_id_and_errno(package: Path, holder: HolderPro
         try {{ new escrow.EscrowClient({{owner: 'x', socket: '/' + 'a'.repeat(200)}}); }}
         catch (e) {{ console.log(e.code); }}"""], capture_output=True, text=True)
     assert result.stdout.strip() == "config", result.stderr
+
+
+# --- custody that survives the holder, and the launch of a Node terminal app --------------------
+
+
+def test_a_custody_lapses_when_the_holder_dies_and_is_protected_again(
+    package: Path, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], node_apps: Callable[..., NodeApp],
+) -> None:
+    """Under a keeper, the serving holder is SIGKILLed: the custody emits 'lapsed', resumes
+    by itself on the next holder ('protected'), and the session is held by the app again."""
+    require_part(package, "custody")
+    holder = make_holder(keeper=True)
+    child = counter(pty_children)
+    app = node_apps(package, f"""
+        const custody = await client.openCustody();
+        custody.on('lapsed', (e) => say({{event: 'lapsed', code: e.code,
+                                          protected: custody.protected}}));
+        custody.on('protected', () => say({{event: 'protected', protected: custody.protected}}));
+        custody.on('data', () => {{}});
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}, journal: true}});
+        custody.startReading('tab');
+        say({{event: 'deposited', journaled: custody.journaled('tab'), pid: process.pid}});
+        await new Promise(() => {{}});
+    """, holder.socket, pass_fds=(child.master,))
+    deposited = app.next("the deposit")
+    assert deposited["journaled"] is True
+    kill_serving_holder(holder)
+    lapsed = app.next("'lapsed' once the holder died")
+    assert lapsed == {"event": "lapsed", "code": "unavailable", "protected": False}
+    assert app.next("'protected' on the next holder") == {"event": "protected", "protected": True}
+    info = next(s for s in holder.client().list() if s.id == "tab")
+    assert info.state == "held" and info.custodian_pid == deposited["pid"]
+
+
+def test_a_reclaim_into_custody_takes_every_session_with_its_replay(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+) -> None:
+    """Two draining sessions: reclaimAll({journal}) retrieves both into one custody, each
+    with its replay from L1 and a journal, and both are held by that custody afterwards."""
+    require_part(package, "reclaim")
+    for sid in ("one", "two"):
+        child = counter(pty_children)
+        holder.client().hand_off(sid, child.master, child_pid=child.pid)
+        wait_for(lambda sid=sid: state_of(holder, sid) == "draining", 5.0, f"{sid} draining")
+    app = NodeApp(package, """
+        const custody = await client.openCustody();
+        const report = await custody.reclaimAll({journal: true});
+        say({ids: report.retrieved.map((r) => r.id).sort(), failed: report.failed,
+             replays: report.retrieved.map((r) => r.replay.toString('latin1').slice(0, 4)),
+             journals: report.retrieved.map((r) => custody.journaled(r.id)),
+             instance: report.holderInstance, restarts: report.restarts});
+        await next();
+        await custody.close();""", holder.socket)
+    try:
+        said = app.next("the report")
+        assert said["ids"] == ["one", "two"] and said["failed"] == {}
+        assert said["replays"] == ["L1\r\n", "L1\r\n"] and said["journals"] == [True, True]
+        assert said["instance"] == holder.client().status().instance
+        assert said["restarts"] == 0
+        assert {s.state for s in holder.client().list()} == {"held"}
+        app.send()
+        assert app.wait() == 0
+    finally:
+        app.kill()
+
+
+def _term_app(package: Path, holder: HolderProcess, out: Path,
+              *new: str) -> subprocess.Popen[bytes]:
+    argv = ["node", str(package / "examples" / "term-app.js"), "--socket", holder.socket,
+            "--owner", OWNER, "--out", str(out)]
+    for sid in new:
+        argv += ["--new", sid]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+def _events(out: Path) -> list[dict[str, Any]]:
+    path = out / "events"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_example_app_relaunched_after_sigkill_shows_its_session_from_l1(
+    package: Path, holder: HolderProcess, tmp_path: Path, apps: list[subprocess.Popen[bytes]],
+) -> None:
+    """examples/term-app.js creates a session, is SIGKILLed, and is launched again: the second
+    run reclaims the session into custody and its screen (replay, then live) starts at L1."""
+    require_part(package, "reclaim")
+    first = _term_app(package, holder, tmp_path, "tab")
+    apps.append(first)  # type: ignore[arg-type]
+    wait_for(lambda: any(e["event"] == "created" for e in _events(tmp_path)), 10.0, "created")
+    created = next(e for e in _events(tmp_path) if e["event"] == "created")
+    assert created["journal"] is True
+    screen = tmp_path / f"tab.{first.pid}.out"
+    wait_for(lambda: screen.exists() and screen.read_bytes().count(b"\n") >= 5, 10.0, "output")
+    first.kill()
+    first.wait()
+    second = _term_app(package, holder, tmp_path, "tab")
+    apps.append(second)  # type: ignore[arg-type]
+    def reclaims() -> list[dict[str, Any]]:
+        return [e for e in _events(tmp_path) if e["event"] == "reclaimed"]
+
+    wait_for(lambda: len(reclaims()) == 2, 15.0, "the relaunch's reclaim")
+    reclaimed = reclaims()[1]
+    assert reclaimed["retrieved"] == ["tab"] and reclaimed["failed"] == {}
+    again = tmp_path / f"tab.{second.pid}.out"
+    wait_for(lambda: again.exists() and again.read_bytes().count(b"\n") >= 40, 10.0,
+             "the second run's screen")
+    assert again.read_bytes().startswith(b"L1\r\n")
+    assert_gap_free_from_1(again.read_bytes().rsplit(b"\n", 1)[0])
+    second.terminate()
+    assert second.wait(10) == 0
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining after SIGTERM")

@@ -52,6 +52,7 @@ function main() {
     '-fvisibility=hidden', ...defines, '-I', c, '-I', nodeIncludes(), ...sources,
     '-o', path.join(out, 'escrow.node')];
   if (process.platform === 'darwin') args.push('-undefined', 'dynamic_lookup');
+  else args.push('-lutil'); // openpty (src/pty.c)
   const cc = process.env.CC || 'cc';
   process.stderr.write([cc, ...args].join(' ') + '\n');
   execFileSync(cc, args, { stdio: 'inherit' });

@@ -248,6 +248,7 @@ static napi_value init(napi_env env, napi_value exports) {
     set_fn(env, exports, "custodyCall", escrow__node_custody_call);
     set_fn(env, exports, "custodySync", escrow__node_custody_sync);
     set_fn(env, exports, "encode", escrow__node_encode);
+    set_fn(env, exports, "openpty", escrow__node_openpty);
     /* What this build has of the C client (addon.h). */
     napi_create_object(env, &parts);
 #if defined(ESCROW_NODE_HAVE_CUSTODY)

@@ -2,7 +2,7 @@
  * (version 8): addon.c registers the calls and runs each off the main thread; convert.c turns
  * JS values into the C client's arguments and its answers into JS values; custody.c is a
  * custody on the event loop (one call at a time, the watcher, the sessions' reads); codec.c
- * is the codec's test entry.
+ * is the codec's test entry; pty.c opens a terminal for the example app.
  *
  * Which parts of the C client are built in depends on the files there are: build.js defines
  * ESCROW_NODE_HAVE_CUSTODY (escrow_custody.c and escrow_journal.c), _RECLAIM
@@ -122,5 +122,9 @@ void escrow__node_custody_complete(napi_env env, escrow__node_op *op);
 /* ---- codec.c ---------------------------------------------------------------------------- */
 
 napi_value escrow__node_encode(napi_env env, napi_callback_info info);
+
+/* ---- pty.c ------------------------------------------------------------------------------ */
+
+napi_value escrow__node_openpty(napi_env env, napi_callback_info info);
 
 #endif

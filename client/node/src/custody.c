@@ -172,7 +172,10 @@ static void on_resume_time(uv_timer_t *t) {
     if (c->tail != NULL) c->tail->next = op;
     else c->head = op;
     c->tail = op;
+    napi_handle_scope scope; /* a uv callback: queueing the work makes JS values */
+    napi_open_handle_scope(c->env, &scope);
     start_next(c);
+    napi_close_handle_scope(c->env, scope);
 }
 
 static void resume_later(escrow__node_custody *c) {

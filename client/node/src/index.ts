@@ -163,6 +163,7 @@ interface Native {
   custodyCall(handle: object, kind: number, ...args: unknown[]): Promise<unknown>;
   custodySync(handle: object, what: string, id?: string): unknown;
   encode(type: string, args: string[]): string;
+  openpty(cols: number, rows: number): { master: number; slave: number; path: string };
   parts: { custody: boolean; reclaim: boolean; repaint: boolean };
 }
 
@@ -354,5 +355,13 @@ export const _codec = {
   /** The arguments of escrow-c's `encode` command; the request frame in hex. */
   encode(type: string, args: string[]): string {
     return native.encode(type, args);
+  },
+};
+
+/** @internal A new terminal, echo off (openpty), for an app without a PTY library: the
+ * example app. Both fds are the caller's. */
+export const _pty = {
+  open(cols = 80, rows = 24): { master: number; slave: number; path: string } {
+    return native.openpty(cols, rows);
   },
 };
