@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from hostile import COUNTER, assert_gap_free_from_1, read_more_lines
 from test_c_client import REQUEST_VECTORS, VECTORS, encode_args
+from test_docs import block_with, commands
 from test_survive import kill_serving_holder
 
 from conftest import OWNER, HolderProcess, PtyChild, require_program, wait_for
@@ -397,3 +398,45 @@ def test_the_example_app_relaunched_after_sigkill_shows_its_session_from_l1(
     second.terminate()
     assert second.wait(10) == 0
     wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining after SIGTERM")
+
+
+# --- the package's README ------------------------------------------------------------------------
+
+
+def test_the_readme_builds_the_package_and_its_app_comes_back_from_sigkill_at_l1(
+    package: Path, holder: HolderProcess, tmp_path: Path, apps: list[subprocess.Popen[bytes]],
+) -> None:
+    """client/node/README.md: its build command as written, then its launch program, run as a
+    user runs it (`require('escrow-client')`, the holder at $ESCROW_SOCKET): the first run
+    makes tab-1 and shows it; SIGKILLed and run again, it shows tab-1 from L1 on."""
+    readme = PACKAGE / "README.md"
+    [build] = commands(block_with("sh", readme, "npm ci"))
+    result = subprocess.run(["bash", "-c", build.text], cwd=PACKAGE.parent.parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    program = tmp_path / "app.js"
+    program.write_text(block_with("js", readme, "reclaimAll").text)
+    modules = tmp_path / "node_modules"
+    modules.mkdir()
+    (modules / "escrow-client").symlink_to(PACKAGE)
+    env = {**os.environ, "ESCROW_SOCKET": holder.socket}
+
+    def run(screen: Path) -> subprocess.Popen[bytes]:
+        with open(screen, "wb") as out:
+            app = subprocess.Popen(["node", str(program)], cwd=tmp_path, env=env, stdout=out,
+                                   stdin=subprocess.DEVNULL)
+        apps.append(app)  # type: ignore[arg-type]
+        return app
+
+    first, second = tmp_path / "first.out", tmp_path / "second.out"
+    app = run(first)
+    wait_for(lambda: first.read_bytes().count(b"\n") >= 5, 10.0, "the new tab's lines")
+    app.kill()
+    app.wait()
+    app = run(second)
+    wait_for(lambda: second.read_bytes().count(b"\n") >= 40, 15.0, "the tab again")
+    assert second.read_bytes().startswith(b"L1\r\n")
+    assert_gap_free_from_1(second.read_bytes().rsplit(b"\n", 1)[0])
+    assert [s.id for s in holder.client().list()] == ["tab-1"]
+    app.terminate()
+    assert app.wait(10) == 0
