@@ -37,7 +37,8 @@ from escrow_client import EscrowClient
 screens = test_attach.screens  # the fixture: tmux servers, ended at teardown
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "client/c/README.md"]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "client/c/README.md",
+        REPO / "client/node/README.md"]
 VENV_BIN = REPO / ".venv" / "bin"
 
 # What cannot run here as written, and the test that runs it (or its equivalent) instead.
@@ -83,6 +84,9 @@ RUN_HERE = [
     ("docs/escrowctl.md", "sh", "escrowctl run --id work"),
     ("client/c/README.md", "sh", "cc "),
     ("client/c/README.md", "c", "escrow_retrieve"),
+    # tests/test_node_client.py runs these two
+    ("client/node/README.md", "sh", "npm ci"),
+    ("client/node/README.md", "js", "reclaimAll"),
 ]
 
 PARTLY_RUN = {("README.md", "scripts/holder"): {"scripts/holder"}}

@@ -1,0 +1,442 @@
+"""The Node package (client/node/) against a real holder, and its codec against the vectors.
+
+The package is built here as a user builds it from a clone: `npm ci` where node_modules is
+missing or older than package-lock.json, then `npm run build` (the addon with the system C
+compiler, warnings as errors, then `tsc` in strict mode). Each test runs a small Node
+program over the built package (`require('client/node')`), whose JSON lines on stdout say
+what it did, against a real escrowd on a temporary socket, with real PTYs and real children;
+where a holder must die, it is SIGKILLed under its keeper.
+
+Without node or npm the tests are skipped here and fail on CI; scripts/setup --test installs
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hostile import COUNTER, assert_gap_free_from_1, read_more_lines
+from test_c_client import REQUEST_VECTORS, VECTORS, encode_args
+from test_docs import block_with, commands
+from test_survive import kill_serving_holder
+
+from conftest import OWNER, HolderProcess, PtyChild, require_program, wait_for
+
+PACKAGE = Path(__file__).resolve().parent.parent / "client" / "node"
+
+
+def _stale(package: Path) -> bool:
+    modules = package / "node_modules"
+    lock = package / "package-lock.json"
+    return not modules.is_dir() or modules.stat().st_mtime < lock.stat().st_mtime
+
+
+def build_package(package: Path = PACKAGE) -> None:
+    """npm ci where needed, then npm run build; any compiler warning fails it."""
+    npm = require_program("npm")
+    require_program("node")
+    require_program("cc")
+    if _stale(package):
+        result = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=package,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run([npm, "run", "--silent", "build"], cwd=package,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    warnings = [line for line in result.stderr.splitlines() if not line.startswith("cc ")]
+    assert not warnings, "\n".join(warnings)
+
+
+@pytest.fixture(scope="module")
+def package() -> Path:
+    build_package()
+    return PACKAGE
+
+
+def parts(package: Path) -> dict[str, bool]:
+    out = subprocess.run(["node", "-p", f"JSON.stringify(require({str(package)!r}).parts)"],
+                         capture_output=True, text=True, check=True)
+    result: dict[str, bool] = json.loads(out.stdout)
+    return result
+
+
+def require_part(package: Path, part: str) -> None:
+    if not parts(package)[part]:
+        pytest.skip(f"the C client here has no {part} yet: the addon is built without it")
+
+
+class NodeApp:
+    """A Node program over the package: JSON lines out, lines in."""
+
+    def __init__(self, package: Path, script: str, socket: str,
+                 pass_fds: tuple[int, ...] = ()) -> None:
+        prelude = (f"const escrow = require({str(package)!r});\n"
+                   f"const client = new escrow.EscrowClient({{owner: {OWNER!r}, "
+                   f"socket: {socket!r}}});\n"
+                   "const say = (o) => process.stdout.write(JSON.stringify(o) + '\\n');\n"
+                   "const lines = require('node:readline').createInterface({input: "
+                   "process.stdin});\n"
+                   "const next = () => new Promise((r) => lines.once('line', r));\n"
+                   "const fail = (e) => { say({error: e.code || String(e), id: e.id, "
+                   "errno: e.errno, message: e.message}); process.exit(1); };\n")
+        self.proc = subprocess.Popen(["node", "-e", prelude + f"(async () => {{ {script} }})()"
+                                      ".then(() => process.exit(0), fail);"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, pass_fds=pass_fds)
+        self.buffer = b""
+
+    def next(self, what: str, timeout: float = 10.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            if not ready:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                assert self.proc.stderr is not None
+                raise AssertionError(f"node exited ({self.proc.wait()}) before {what}: "
+                                     f"{self.proc.stderr.read().decode(errors='replace')}")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def send(self, line: str = "") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def wait(self, timeout: float = 15.0) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+@pytest.fixture
+def node_apps() -> Iterator[Callable[..., NodeApp]]:
+    started: list[NodeApp] = []
+
+    def start(*args: Any, **kwargs: Any) -> NodeApp:
+        app = NodeApp(*args, **kwargs)
+        started.append(app)
+        return app
+
+    yield start
+    for app in started:
+        app.kill()
+
+
+def run_node(package: Path, socket: str, script: str) -> dict[str, Any]:
+    """A program that says one JSON line and exits 0."""
+    app = NodeApp(package, script, socket)
+    try:
+        line = app.next("its answer")
+        assert app.wait() == 0, line
+        return line
+    finally:
+        app.kill()
+
+
+def counter(pty_children: Callable[..., PtyChild]) -> PtyChild:
+    return pty_children(["sh", "-c", COUNTER])
+
+
+def state_of(holder: HolderProcess, sid: str) -> str | None:
+    return next((s.state for s in holder.client().list() if s.id == sid), None)
+
+
+# --- the codec against the protocol's test vectors -----------------------------------------------
+
+
+def test_the_package_encodes_each_request_vector_byte_for_byte(package: Path) -> None:
+    """The addon sends with the C encoder: every request vector, through `_codec.encode` with
+    the arguments the C driver's `encode` takes, gives the vector's frame."""
+    calls = {name: ["encode", *encode_args(VECTORS[name]["message"])][1:]
+             for name in REQUEST_VECTORS}
+    script = (f"const {{_codec}} = require({str(package)!r});\n"
+              f"const calls = {json.dumps(calls)};\n"
+              "const out = {};\n"
+              "for (const [name, args] of Object.entries(calls)) "
+              "out[name] = _codec.encode(args[0], args.slice(1));\n"
+              "process.stdout.write(JSON.stringify(out));")
+    result = subprocess.run(["node", "-e", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    assert set(got) == set(REQUEST_VECTORS) and len(got) >= 10
+    for name in REQUEST_VECTORS:
+        assert got[name] == VECTORS[name]["frame"], name
+
+
+# --- the calls against a real holder -------------------------------------------------------------
+
+
+def test_status_list_and_welcome_agree_with_python(package: Path, holder: HolderProcess) -> None:
+    said = run_node(package, holder.socket,
+                    "say({status: await client.status(), welcome: await client.welcome(), "
+                    "list: await client.list({allOwners: true})});")
+    status = holder.client().status()
+    assert said["status"]["pid"] == status.pid and said["status"]["version"] == status.version
+    assert said["status"]["socket"] == status.socket
+    assert said["welcome"]["drainStopBudget"] == 3.0
+    assert said["list"] == []
+
+
+def test_a_deposit_under_custody_is_held_then_python_retrieves_every_line(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp],
+) -> None:
+    """The Node app deposits a live terminal into a custody and reads it ('data'); while it
+    does, the session is held by the app's pid; once the custody closes it drains, and a
+    retrieve from Python gets every line from L1 on, none twice."""
+    child = counter(pty_children)
+    app = node_apps(package, f"""
+        const custody = await client.openCustody();
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}, label: 'sh',
+                                                       meta: {{cwd: '/tmp'}}}});
+        let seen = Buffer.alloc(0);
+        custody.on('data', (id, data) => {{ seen = Buffer.concat([seen, data]); }});
+        custody.startReading('tab');
+        say({{deposited: custody.protected, pid: process.pid}});
+        await next();
+        await custody.close();
+        say({{closed: true, seen: seen.toString('latin1')}});
+    """, holder.socket, pass_fds=(child.master,))
+    said = app.next("the deposit")
+    assert said["deposited"] is True
+    info = next(s for s in holder.client().list() if s.id == "tab")
+    assert info.state == "held" and info.custodian_pid == said["pid"]
+    assert info.meta == {"cwd": "/tmp"} and info.child_pid == child.pid
+    app.send()
+    seen = app.next("custody closed")["seen"].encode("latin1")
+    assert app.wait() == 0
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining")
+    got = holder.client().retrieve("tab")
+    try:
+        whole = seen + got.replay
+        assert_gap_free_from_1(read_more_lines(got.fd, whole, 3))
+    finally:
+        os.close(got.fd)
+
+
+def test_node_hands_off_and_retrieves_the_session_itself(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+) -> None:
+    """A hand-off, then a retrieve from another Node process: the replay starts at L1, the fd
+    it gets is a live terminal, and the holder forgets the session (handed_off)."""
+    child = counter(pty_children)
+    app = NodeApp(package, f"await client.handOff('tab', {child.master}, "
+                  f"{{childPid: {child.pid}}}); say({{handedOff: true}});",
+                  holder.socket, pass_fds=(child.master,))
+    try:
+        assert app.next("the hand-off") == {"handedOff": True}
+        assert app.wait() == 0
+    finally:
+        app.kill()
+    os.close(child.master)
+    child.master = os.open("/dev/null", os.O_RDONLY)  # the fixture closes it
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining")
+    said = run_node(package, holder.socket, """
+        const got = await client.retrieve('tab');
+        const fs = require('node:fs');
+        const more = Buffer.alloc(4096);
+        const n = fs.readSync(got.fd, more);
+        say({confirmed: got.confirmed, replay: got.replay.toString('latin1'),
+             more: more.subarray(0, n).toString('latin1'), tty: require('node:tty').isatty(got.fd),
+             state: got.session.state});
+        fs.closeSync(got.fd);""")
+    assert said["confirmed"] is True and said["tty"] is True and said["state"] == "draining"
+    assert said["replay"].startswith("L1\r\n")
+    assert_gap_free_from_1((said["replay"] + said["more"]).encode("latin1").rsplit(b"\n", 1)[0])
+    assert state_of(holder, "tab") == "handed_off"
+
+
+def test_errors_carry_the_code_the_id_and_errno(package: Path, holder: HolderProcess,
+                                                socket_dir: Path) -> None:
+    said = run_node(package, holder.socket, """
+        const codes = [];
+        for (const call of [() => client.retrieve('nope'), () => client.release('nope')]) {
+          try { await call(); codes.push('none'); }
+          catch (e) { codes.push([e instanceof Error, e.code, e.id, e.errno, e.message]); }
+        }
+        say({codes});""")
+    for is_error, code, sid, errno, message in said["codes"]:
+        assert is_error is True and code == "unknown" and sid == "nope" and errno == 0
+        assert "nope" in message
+    nothing = str(socket_dir / "none" / "escrowd.sock")
+    os.mkdir(socket_dir / "none", 0o700)
+    said = run_node(package, nothing, """
+        try { await client.status(); say({code: 'none'}); }
+        catch (e) { say({code: e.code, errno: e.errno}); }""")
+    assert said["code"] == "unavailable" and said["errno"] != 0
+    result = subprocess.run(["node", "-e", f"""
+        const escrow = require({str(package)!r});
+        try {{ new escrow.EscrowClient({{owner: 'x', socket: '/' + 'a'.repeat(200)}}); }}
+        catch (e) {{ console.log(e.code); }}"""], capture_output=True, text=True)
+    assert result.stdout.strip() == "config", result.stderr
+
+
+# --- custody that survives the holder, and the launch of a Node terminal app --------------------
+
+
+def test_a_custody_lapses_when_the_holder_dies_and_is_protected_again(
+    package: Path, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], node_apps: Callable[..., NodeApp],
+) -> None:
+    """Under a keeper, the serving holder is SIGKILLed: the custody emits 'lapsed', resumes
+    by itself on the next holder ('protected'), and the session is held by the app again."""
+    require_part(package, "custody")
+    holder = make_holder(keeper=True)
+    child = counter(pty_children)
+    app = node_apps(package, f"""
+        const custody = await client.openCustody();
+        custody.on('lapsed', (e) => say({{event: 'lapsed', code: e.code,
+                                          protected: custody.protected}}));
+        custody.on('protected', () => say({{event: 'protected', protected: custody.protected}}));
+        custody.on('data', () => {{}});
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}, journal: true}});
+        custody.startReading('tab');
+        say({{event: 'deposited', journaled: custody.journaled('tab'), pid: process.pid}});
+        await new Promise(() => {{}});
+    """, holder.socket, pass_fds=(child.master,))
+    deposited = app.next("the deposit")
+    assert deposited["journaled"] is True
+    kill_serving_holder(holder)
+    lapsed = app.next("'lapsed' once the holder died")
+    assert lapsed == {"event": "lapsed", "code": "unavailable", "protected": False}
+    assert app.next("'protected' on the next holder") == {"event": "protected", "protected": True}
+    info = next(s for s in holder.client().list() if s.id == "tab")
+    assert info.state == "held" and info.custodian_pid == deposited["pid"]
+
+
+def test_a_reclaim_into_custody_takes_every_session_with_its_replay(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+) -> None:
+    """Two draining sessions: reclaimAll({journal}) retrieves both into one custody, each
+    with its replay from L1 and a journal, and both are held by that custody afterwards."""
+    require_part(package, "reclaim")
+    for sid in ("one", "two"):
+        child = counter(pty_children)
+        holder.client().hand_off(sid, child.master, child_pid=child.pid)
+        wait_for(lambda sid=sid: state_of(holder, sid) == "draining", 5.0, f"{sid} draining")
+    app = NodeApp(package, """
+        const custody = await client.openCustody();
+        const report = await custody.reclaimAll({journal: true});
+        say({ids: report.retrieved.map((r) => r.id).sort(), failed: report.failed,
+             replays: report.retrieved.map((r) => r.replay.toString('latin1').slice(0, 4)),
+             journals: report.retrieved.map((r) => custody.journaled(r.id)),
+             instance: report.holderInstance, restarts: report.restarts});
+        await next();
+        await custody.close();""", holder.socket)
+    try:
+        said = app.next("the report")
+        assert said["ids"] == ["one", "two"] and said["failed"] == {}
+        assert said["replays"] == ["L1\r\n", "L1\r\n"] and said["journals"] == [True, True]
+        assert said["instance"] == holder.client().status().instance
+        assert said["restarts"] == 0
+        assert {s.state for s in holder.client().list()} == {"held"}
+        app.send()
+        assert app.wait() == 0
+    finally:
+        app.kill()
+
+
+def _term_app(package: Path, holder: HolderProcess, out: Path,
+              *new: str) -> subprocess.Popen[bytes]:
+    argv = ["node", str(package / "examples" / "term-app.js"), "--socket", holder.socket,
+            "--owner", OWNER, "--out", str(out)]
+    for sid in new:
+        argv += ["--new", sid]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+def _events(out: Path) -> list[dict[str, Any]]:
+    path = out / "events"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_example_app_relaunched_after_sigkill_shows_its_session_from_l1(
+    package: Path, holder: HolderProcess, tmp_path: Path, apps: list[subprocess.Popen[bytes]],
+) -> None:
+    """examples/term-app.js creates a session, is SIGKILLed, and is launched again: the second
+    run reclaims the session into custody and its screen (replay, then live) starts at L1."""
+    require_part(package, "reclaim")
+    first = _term_app(package, holder, tmp_path, "tab")
+    apps.append(first)  # type: ignore[arg-type]
+    wait_for(lambda: any(e["event"] == "created" for e in _events(tmp_path)), 10.0, "created")
+    created = next(e for e in _events(tmp_path) if e["event"] == "created")
+    assert created["journal"] is True
+    screen = tmp_path / f"tab.{first.pid}.out"
+    wait_for(lambda: screen.exists() and screen.read_bytes().count(b"\n") >= 5, 10.0, "output")
+    first.kill()
+    first.wait()
+    second = _term_app(package, holder, tmp_path, "tab")
+    apps.append(second)  # type: ignore[arg-type]
+    def reclaims() -> list[dict[str, Any]]:
+        return [e for e in _events(tmp_path) if e["event"] == "reclaimed"]
+
+    wait_for(lambda: len(reclaims()) == 2, 15.0, "the relaunch's reclaim")
+    reclaimed = reclaims()[1]
+    assert reclaimed["retrieved"] == ["tab"] and reclaimed["failed"] == {}
+    again = tmp_path / f"tab.{second.pid}.out"
+    wait_for(lambda: again.exists() and again.read_bytes().count(b"\n") >= 40, 10.0,
+             "the second run's screen")
+    assert again.read_bytes().startswith(b"L1\r\n")
+    assert_gap_free_from_1(again.read_bytes().rsplit(b"\n", 1)[0])
+    second.terminate()
+    assert second.wait(10) == 0
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining after SIGTERM")
+
+
+# --- the package's README ------------------------------------------------------------------------
+
+
+def test_the_readme_builds_the_package_and_its_app_comes_back_from_sigkill_at_l1(
+    package: Path, holder: HolderProcess, tmp_path: Path, apps: list[subprocess.Popen[bytes]],
+) -> None:
+    """client/node/README.md: its build command as written, then its launch program, run as a
+    user runs it (`require('escrow-client')`, the holder at $ESCROW_SOCKET): the first run
+    makes tab-1 and shows it; SIGKILLed and run again, it shows tab-1 from L1 on."""
+    readme = PACKAGE / "README.md"
+    [build] = commands(block_with("sh", readme, "npm ci"))
+    result = subprocess.run(["bash", "-c", build.text], cwd=PACKAGE.parent.parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    program = tmp_path / "app.js"
+    program.write_text(block_with("js", readme, "reclaimAll").text)
+    modules = tmp_path / "node_modules"
+    modules.mkdir()
+    (modules / "escrow-client").symlink_to(PACKAGE)
+    env = {**os.environ, "ESCROW_SOCKET": holder.socket}
+
+    def run(screen: Path) -> subprocess.Popen[bytes]:
+        with open(screen, "wb") as out:
+            app = subprocess.Popen(["node", str(program)], cwd=tmp_path, env=env, stdout=out,
+                                   stdin=subprocess.DEVNULL)
+        apps.append(app)  # type: ignore[arg-type]
+        return app
+
+    first, second = tmp_path / "first.out", tmp_path / "second.out"
+    app = run(first)
+    wait_for(lambda: first.read_bytes().count(b"\n") >= 5, 10.0, "the new tab's lines")
+    app.kill()
+    app.wait()
+    app = run(second)
+    wait_for(lambda: second.read_bytes().count(b"\n") >= 40, 15.0, "the tab again")
+    assert second.read_bytes().startswith(b"L1\r\n")
+    assert_gap_free_from_1(second.read_bytes().rsplit(b"\n", 1)[0])
+    assert [s.id for s in holder.client().list()] == ["tab-1"]
+    app.terminate()
+    assert app.wait(10) == 0
