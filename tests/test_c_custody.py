@@ -125,6 +125,17 @@ def start(c_apps: list[CApp], *args: Any, **kwargs: Any) -> CApp:
     return app
 
 
+def protected_again(app: CApp, what: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The app's next event that is not a failed try (it retries with back-off)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"the C app did not report {what} within {timeout}s"
+        got = app.next_event(what, left)
+        if got["event"] != "resume_failed":
+            return got
+
+
 def held_by(client: EscrowClient, sid: str, pid: int) -> bool:
     try:
         return any(s.id == sid and s.state == "held" and s.custodian_pid == pid
@@ -236,9 +247,7 @@ def test_the_c_app_takes_custody_back_when_the_holder_is_sigkilled_under_the_kee
     kill_serving_holder(holder)
     lapsed = app.next_event("the lapse once the holder died")
     assert (lapsed["event"], lapsed["code"]) == ("lapsed", "unavailable"), lapsed
-    back = app.next_event("custody taken back")
-    while back["event"] == "resume_failed":
-        back = app.next_event("custody taken back")
+    back = protected_again(app, "custody taken back")
     assert back == {"event": "protected"}
     assert held_by(client, "tab", app.proc.pid)
     assert ' reason="custody resumed by its app' in holder.logs()
@@ -279,9 +288,7 @@ def test_after_a_total_loss_the_c_app_deposits_again_from_its_duplicate(
         first.proc.wait()
         assert app.next_event("the lapse")["event"] == "lapsed"
         second = start_holder(directory, keeper=True)
-        back = app.next_event("its deposit again")
-        while back["event"] == "resume_failed":
-            back = app.next_event("its deposit again")
+        back = protected_again(app, "its deposit again")
         assert back == {"event": "protected"}
         client = second.client()
         assert held_by(client, "tab", app.proc.pid)
