@@ -7,8 +7,8 @@ program over the built package (`require('client/node')`), whose JSON lines on s
 what it did, against a real escrowd on a temporary socket, with real PTYs and real children;
 where a holder must die, it is SIGKILLed under its keeper.
 
-Without node or npm the tests are skipped here and fail on CI; scripts/setup --test installs
-them.
+Without node, npm or cc the tests are skipped here and fail on CI (`CI=true`);
+scripts/setup --test installs them. Every part of the C client is built in: none is left out.
 """
 
 from __future__ import annotations
@@ -59,18 +59,6 @@ def build_package(package: Path = PACKAGE) -> None:
 def package() -> Path:
     build_package()
     return PACKAGE
-
-
-def parts(package: Path) -> dict[str, bool]:
-    out = subprocess.run(["node", "-p", f"JSON.stringify(require({str(package)!r}).parts)"],
-                         capture_output=True, text=True, check=True)
-    result: dict[str, bool] = json.loads(out.stdout)
-    return result
-
-
-def require_part(package: Path, part: str) -> None:
-    if not parts(package)[part]:
-        pytest.skip(f"the C client here has no {part} yet: the addon is built without it")
 
 
 class NodeApp:
@@ -297,7 +285,6 @@ def test_a_custody_lapses_when_the_holder_dies_and_is_protected_again(
 ) -> None:
     """Under a keeper, the serving holder is SIGKILLed: the custody emits 'lapsed', resumes
     by itself on the next holder ('protected'), and the session is held by the app again."""
-    require_part(package, "custody")
     holder = make_holder(keeper=True)
     child = counter(pty_children)
     app = node_apps(package, f"""
@@ -326,7 +313,6 @@ def test_a_reclaim_into_custody_takes_every_session_with_its_replay(
 ) -> None:
     """Two draining sessions: reclaimAll({journal}) retrieves both into one custody, each
     with its replay from L1 and a journal, and both are held by that custody afterwards."""
-    require_part(package, "reclaim")
     for sid in ("one", "two"):
         child = counter(pty_children)
         holder.client().hand_off(sid, child.master, child_pid=child.pid)
@@ -372,7 +358,6 @@ def test_the_example_app_relaunched_after_sigkill_shows_its_session_from_l1(
 ) -> None:
     """examples/term-app.js creates a session, is SIGKILLed, and is launched again: the second
     run reclaims the session into custody and its screen (replay, then live) starts at L1."""
-    require_part(package, "reclaim")
     first = _term_app(package, holder, tmp_path, "tab")
     apps.append(first)  # type: ignore[arg-type]
     wait_for(lambda: any(e["event"] == "created" for e in _events(tmp_path)), 10.0, "created")
@@ -440,3 +425,4 @@ def test_the_readme_builds_the_package_and_its_app_comes_back_from_sigkill_at_l1
     assert [s.id for s in holder.client().list()] == ["tab-1"]
     app.terminate()
     assert app.wait(10) == 0
+
