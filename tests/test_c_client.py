@@ -77,7 +77,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     # The driver reaches the whole codec, retrieve_many's and done_many's too.
     built = Build(out / "escrow-c", out / "escrow-c-san",
                   tuple(out / f"{source.removesuffix('.c')}.o" for source in LIBRARY))
-    driver = ["-DESCROW_FULL_CODEC", "escrow-c.c", *LIBRARY]
+    driver = ["-DESCROW_FULL_CODEC", "escrow-c.c", "vector_args.c", *LIBRARY]
     _compile("-std=c11", *WARNINGS, "-O2", *driver, "-o", str(built.plain))
     _compile("-std=c11", *WARNINGS, "-O1", "-g", *SANITIZERS, *driver, "-o",
              str(built.sanitized))

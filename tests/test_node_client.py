@@ -7,8 +7,8 @@ program over the built package (`require('client/node')`), whose JSON lines on s
 what it did, against a real escrowd on a temporary socket, with real PTYs and real children;
 where a holder must die, it is SIGKILLed under its keeper.
 
-Without node or npm the tests are skipped here and fail on CI; scripts/setup --test installs
-them.
+Without node, npm or cc the tests are skipped here and fail on CI (`CI=true`);
+scripts/setup --test installs them. Every part of the C client is built in: none is left out.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from test_c_client import REQUEST_VECTORS, VECTORS, encode_args
 from test_docs import block_with, commands
 from test_survive import kill_serving_holder
 
-from conftest import OWNER, HolderProcess, PtyChild, require_program, wait_for
+from conftest import OWNER, HolderProcess, PtyChild, fd_count, require_program, wait_for
 
 PACKAGE = Path(__file__).resolve().parent.parent / "client" / "node"
 
@@ -59,18 +60,6 @@ def build_package(package: Path = PACKAGE) -> None:
 def package() -> Path:
     build_package()
     return PACKAGE
-
-
-def parts(package: Path) -> dict[str, bool]:
-    out = subprocess.run(["node", "-p", f"JSON.stringify(require({str(package)!r}).parts)"],
-                         capture_output=True, text=True, check=True)
-    result: dict[str, bool] = json.loads(out.stdout)
-    return result
-
-
-def require_part(package: Path, part: str) -> None:
-    if not parts(package)[part]:
-        pytest.skip(f"the C client here has no {part} yet: the addon is built without it")
 
 
 class NodeApp:
@@ -297,7 +286,6 @@ def test_a_custody_lapses_when_the_holder_dies_and_is_protected_again(
 ) -> None:
     """Under a keeper, the serving holder is SIGKILLed: the custody emits 'lapsed', resumes
     by itself on the next holder ('protected'), and the session is held by the app again."""
-    require_part(package, "custody")
     holder = make_holder(keeper=True)
     child = counter(pty_children)
     app = node_apps(package, f"""
@@ -326,7 +314,6 @@ def test_a_reclaim_into_custody_takes_every_session_with_its_replay(
 ) -> None:
     """Two draining sessions: reclaimAll({journal}) retrieves both into one custody, each
     with its replay from L1 and a journal, and both are held by that custody afterwards."""
-    require_part(package, "reclaim")
     for sid in ("one", "two"):
         child = counter(pty_children)
         holder.client().hand_off(sid, child.master, child_pid=child.pid)
@@ -372,7 +359,6 @@ def test_the_example_app_relaunched_after_sigkill_shows_its_session_from_l1(
 ) -> None:
     """examples/term-app.js creates a session, is SIGKILLed, and is launched again: the second
     run reclaims the session into custody and its screen (replay, then live) starts at L1."""
-    require_part(package, "reclaim")
     first = _term_app(package, holder, tmp_path, "tab")
     apps.append(first)  # type: ignore[arg-type]
     wait_for(lambda: any(e["event"] == "created" for e in _events(tmp_path)), 10.0, "created")
@@ -440,3 +426,163 @@ def test_the_readme_builds_the_package_and_its_app_comes_back_from_sigkill_at_l1
     assert [s.id for s in holder.client().list()] == ["tab-1"]
     app.terminate()
     assert app.wait(10) == 0
+
+
+# --- fds, promises and reads under the custody -------------------------------------------------
+
+
+def test_the_apps_fds_come_back_after_a_deposit_a_lapse_a_release_and_a_close(
+    package: Path, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], node_apps: Callable[..., NodeApp],
+) -> None:
+    """Counted in /proc/<pid>/fd of the Node app: a held session costs one kept duplicate
+    beyond the custody's socket; a lapse and a resume on the keeper's next holder cost
+    nothing; a release gives the duplicate back, and a close the socket: the count is the
+    one before the custody."""
+    holder = make_holder(keeper=True)
+    child = counter(pty_children)
+    app = node_apps(package, f"""
+        await client.status();  // the thread pool and the loop's own fds, before counting
+        say({{step: 'before'}}); await next();
+        const custody = await client.openCustody();
+        custody.on('data', () => {{}});
+        custody.on('lapsed', () => say({{step: 'lapsed'}}));
+        custody.on('protected', () => say({{step: 'protected'}}));
+        say({{step: 'opened'}}); await next();
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}, journal: true}});
+        custody.startReading('tab');
+        say({{step: 'held'}}); await next();
+        await custody.release('tab');
+        say({{step: 'released'}}); await next();
+        await custody.close();
+        say({{step: 'closed'}}); await next();
+    """, holder.socket, pass_fds=(child.master,))
+    pid = app.proc.pid
+    counts = {}
+    for step in ("before", "opened", "held"):
+        assert app.next(step) == {"step": step}
+        counts[step] = fd_count(pid)
+        if step != "held":
+            app.send()
+    kill_serving_holder(holder)
+    assert app.next("'lapsed'") == {"step": "lapsed"}
+    assert app.next("'protected'") == {"step": "protected"}
+    wait_for(lambda: state_of(holder, "tab") == "held", 10.0, "tab held again")
+    assert fd_count(pid) == counts["held"]
+    app.send()
+    for step in ("released", "closed"):
+        assert app.next(step) == {"step": step}
+        counts[step] = fd_count(pid)
+        app.send()
+    assert app.wait() == 0
+    assert counts["opened"] == counts["before"] + 1, counts  # the custody's socket
+    assert counts["held"] == counts["opened"] + 1, counts  # the kept duplicate
+    assert counts["released"] == counts["opened"], counts
+    assert counts["closed"] == counts["before"], counts
+
+
+CALLS = ("status", "welcome", "list", "release", "update", "retrieve", "handOff", "reclaimAll",
+         "deposit", "custodyUpdate", "custodyRetrieve", "custodyReclaim", "custodyRelease")
+
+
+def test_every_promise_settles_while_the_holder_is_stopped_and_once_it_is_gone(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp],
+) -> None:
+    """With the holder SIGSTOPped, every call of the client and of a custody opened before
+    rejects within the client's timeout (1 s here: nothing hangs), each with the C client's
+    code; with the holder SIGKILLed, every call rejects at once: 'unavailable'."""
+    child = counter(pty_children)
+    script = """
+        const c = new escrow.EscrowClient({owner: client.owner, socket: client.socket,
+                                           timeout: 1});
+        const settle = async (custody) => {
+          const calls = {
+            status: () => c.status(), welcome: () => c.welcome(), list: () => c.list(),
+            release: () => c.release('x'), update: () => c.update('x', {cols: 80}),
+            retrieve: () => c.retrieve('x'), handOff: () => c.handOff('x', MASTER, {}),
+            reclaimAll: () => c.reclaimAll({deadline: 2}),
+            deposit: () => custody.deposit('tab', MASTER, {}),
+            custodyUpdate: () => custody.update('tab', {cols: 81}),
+            custodyRetrieve: () => custody.retrieve('x'),
+            custodyReclaim: () => custody.reclaimAll({deadline: 2}),
+            custodyRelease: () => custody.release('tab'),
+          };
+          const names = Object.keys(calls);
+          const settled = await Promise.allSettled(names.map((n) => calls[n]()));
+          const out = {};
+          names.forEach((n, i) => {
+            out[n] = settled[i].status === 'fulfilled' ? 'ok' : settled[i].reason.code;
+          });
+          return out;
+        };
+        const custody = await c.openCustody();
+        say({opened: true}); await next();
+        say({stopped: await settle(custody)}); await next();
+        say({gone: await settle(custody)});
+        await custody.close();
+    """.replace("MASTER", str(child.master))
+    app = node_apps(package, script, holder.socket, pass_fds=(child.master,))
+    assert app.next("the custody") == {"opened": True}
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        app.send()
+        stopped = app.next("every call settled with the holder stopped", timeout=120.0)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    assert len(stopped["stopped"]) == len(CALLS), stopped
+    # A fresh connection's calls time out; a custody's first call lapses it, and what
+    # follows is refused as a lapsed custody's (retrieve and reclaim into custody say
+    # 'config', the others 'unavailable').
+    for name in ("status", "welcome", "list", "release", "update", "retrieve", "handOff"):
+        assert stopped["stopped"][name] == "unresponsive", stopped
+    assert set(stopped["stopped"].values()) <= {"unresponsive", "unavailable", "config"}, stopped
+    holder.proc.kill()
+    holder.proc.wait()
+    app.send()
+    gone = app.next("every call settled with the holder gone", timeout=120.0)["gone"]
+    assert len(gone) == len(CALLS), gone
+    assert set(gone.values()) <= {"unavailable", "config"} and "ok" not in gone.values(), gone
+    for name in ("status", "welcome", "list", "release", "update", "retrieve", "handOff",
+                 "reclaimAll", "deposit"):
+        assert gone[name] == "unavailable", gone
+    assert app.wait() == 0
+
+
+def test_a_read_due_during_a_custody_call_is_done_once_the_call_is_over(
+    package: Path, holder: HolderProcess, tmp_path: Path,
+    pty_children: Callable[..., PtyChild], node_apps: Callable[..., NodeApp],
+) -> None:
+    """Reads pause while a custody call runs. The shell prints its one line while an update
+    waits on a SIGSTOPped holder, then nothing more: once the holder answers and the call
+    is over, the line is read ('data'), with no further output to wake the read."""
+    go, printed = tmp_path / "go", tmp_path / "printed"
+    child = pty_children(["sh", "-c", f'while [ ! -e "{go}" ]; do sleep 0.01; done; '
+                          f'echo DUE; : > "{printed}"; exec sleep 60'])
+    app = node_apps(package, f"""
+        const custody = await client.openCustody();
+        let seen = '';
+        custody.on('data', (id, data) => {{
+          seen += data.toString('latin1');
+          if (seen.includes('DUE')) say({{read: seen}});
+        }});
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}}});
+        custody.startReading('tab');
+        say({{held: true}}); await next();
+        const update = custody.update('tab', {{cols: 100, rows: 30}});
+        say({{calling: true}});
+        await update;
+        say({{updated: true}});
+        await new Promise(() => {{}});
+    """, holder.socket, pass_fds=(child.master,))
+    assert app.next("the deposit") == {"held": True}
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        app.send()
+        assert app.next("the update started") == {"calling": True}
+        go.touch()
+        wait_for(printed.exists, 10.0, "the shell's line printed")
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    assert app.next("the update") == {"updated": True}
+    assert "DUE" in app.next("the line read after the call")["read"]

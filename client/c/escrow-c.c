@@ -12,6 +12,7 @@
  * to give the output asked for.
  */
 #include "escrow_internal.h"
+#include "vector_args.h"
 
 #ifndef ESCROW_FULL_CODEC
 #error "build escrow-c with -DESCROW_FULL_CODEC: encode and decode reach the whole codec"
@@ -437,123 +438,13 @@ static int cmd_cmsg(void) {
     return 0;
 }
 
-/* ---- arguments ------------------------------------------------------------------------------ */
-
-static int parse_bool(const char *s, int *v) {
-    if (strcmp(s, "true") == 0) return *v = 1, 0;
-    if (strcmp(s, "false") == 0) return *v = 0, 0;
-    return -1;
-}
-
-/* A number, or "-": nil (-1). */
-static int parse_dim(const char *s, int64_t *v) {
-    char *end;
-    if (strcmp(s, "-") == 0) return *v = -1, 0;
-    errno = 0;
-    long long n = strtoll(s, &end, 10);
-    if (errno != 0 || end == s || *end != 0 || n < 0) return -1;
-    *v = n;
-    return 0;
-}
-
-/* KEY=VALUE arguments (split at the first '='), each pair pointing into argv. */
-static int parse_pairs(int argc, char **argv, const char **keys, const char **values,
-                       size_t max, size_t *count) {
-    *count = 0;
-    for (int i = 0; i < argc; i++) {
-        char *eq = strchr(argv[i], '=');
-        if (eq == NULL || *count == max) return -1;
-        *eq = 0;
-        keys[*count] = argv[i];
-        values[(*count)++] = eq + 1;
-    }
-    return 0;
-}
-
-static int parse_meta(int argc, char **argv, escrow_meta *meta, size_t *count) {
-    const char *keys[ESCROW_META_MAX], *values[ESCROW_META_MAX];
-    if (parse_pairs(argc, argv, keys, values, ESCROW_META_MAX, count) != 0) return -1;
-    for (size_t i = 0; i < *count; i++) meta[i] = (escrow_meta){keys[i], values[i]};
-    return 0;
-}
-
-/* update's arguments after the id: COLS ROWS [META...]. No META: nil; "{}": an empty map. */
-typedef struct update_args {
-    int64_t cols, rows;
-    escrow_meta meta[ESCROW_META_MAX];
-    size_t meta_count;
-    int meta_given;
-} update_args;
-
-static int parse_update(int argc, char **argv, update_args *u) {
-    memset(u, 0, sizeof *u);
-    if (argc < 2 || parse_dim(argv[0], &u->cols) != 0 || parse_dim(argv[1], &u->rows) != 0)
-        return -1;
-    u->meta_given = argc > 2;
-    if (argc == 3 && strcmp(argv[2], "{}") == 0) return 0;
-    return parse_meta(argc - 2, argv + 2, u->meta, &u->meta_count);
-}
+/* ---- encode ---------------------------------------------------------------------------------- */
 
 static int cmd_encode(int argc, char **argv) {
     mp_out o = {0};
     escrow_error err;
-    escrow_code rc = ESCROW_CONFIG;
-    const char *type = argc > 0 ? argv[0] : "";
-    int keep = 0, journal = 0, replay_file = 0, bad = 0;
-    if (strcmp(type, "hello") == 0 && argc == 4) {
-        escrow_client c;
-        memset(&c, 0, sizeof c);
-        snprintf(c.owner, sizeof c.owner, "%s", argv[1]);
-        snprintf(c.client_name, sizeof c.client_name, "%s", argv[2]);
-        c.timeout = atof(argv[3]);
-        rc = escrow__encode_hello(&o, &c, &err);
-    } else if (strcmp(type, "deposit") == 0 && argc >= 7) {
-        escrow_meta meta[ESCROW_META_MAX];
-        escrow_deposit_opts opts = {argv[2], atoll(argv[3]), atoll(argv[4]), atoll(argv[5]),
-                                    meta, 0, 0};
-        bad = parse_bool(argv[6], &journal) != 0 ||
-              parse_meta(argc - 7, argv + 7, meta, &opts.meta_count) != 0;
-        if (!bad) rc = escrow__encode_deposit(&o, argv[1], &opts, journal, &err);
-    } else if (strcmp(type, "release") == 0 && argc == 2) {
-        rc = escrow__encode_id(&o, type, argv[1], &err);
-    } else if (strcmp(type, "retrieve") == 0 && argc == 5) {
-        bad = parse_bool(argv[2], &keep) != 0 || parse_bool(argv[3], &journal) != 0 ||
-              parse_bool(argv[4], &replay_file) != 0;
-        if (!bad) rc = escrow__encode_retrieve(&o, argv[1], keep, journal, replay_file, &err);
-    } else if (strcmp(type, "retrieve_many") == 0 && argc >= 5) {
-        bad = parse_bool(argv[1], &keep) != 0 || parse_bool(argv[2], &journal) != 0 ||
-              parse_bool(argv[3], &replay_file) != 0;
-        if (!bad)
-            rc = escrow__encode_retrieve_many(&o, (const char *const *)argv + 4,
-                                              (size_t)argc - 4, keep, journal, replay_file,
-                                              &err);
-    } else if (strcmp(type, "ack") == 0 && argc == 4) {
-        bad = parse_bool(argv[3], &keep) != 0;
-        if (!bad) rc = escrow__encode_ack(&o, argv[1], argv[2], keep, &err);
-    } else if (strcmp(type, "ack_many") == 0 && argc >= 3) {
-        const char **ids = calloc((size_t)argc, sizeof *ids);
-        const char **handoff_ids = calloc((size_t)argc, sizeof *handoff_ids);
-        size_t n = 0;
-        bad = ids == NULL || handoff_ids == NULL || parse_bool(argv[1], &keep) != 0 ||
-              parse_pairs(argc - 2, argv + 2, ids, handoff_ids, (size_t)argc, &n) != 0;
-        if (!bad) rc = escrow__encode_ack_many(&o, ids, handoff_ids, n, keep, &err);
-        free(ids);
-        free(handoff_ids);
-    } else if (strcmp(type, "update") == 0 && argc >= 4) {
-        update_args u;
-        bad = parse_update(argc - 2, argv + 2, &u) != 0;
-        if (!bad)
-            rc = escrow__encode_update(&o, argv[1], u.cols, u.rows,
-                                       u.meta_given ? u.meta : NULL, u.meta_count, &err);
-    } else if (strcmp(type, "list") == 0 && argc == 2) {
-        bad = parse_bool(argv[1], &keep) != 0;
-        if (!bad) rc = escrow__encode_list(&o, keep, &err);
-    } else if (strcmp(type, "status") == 0 && argc == 1) {
-        rc = escrow__encode_status(&o, &err);
-    } else {
-        bad = 1;
-    }
-    if (bad) {
+    int rc = escrow__vector_encode(&o, argc, argv, &err); /* vector_args.c */
+    if (rc < 0) {
         free(o.data);
         fputs(usage, stderr);
         return 2;
@@ -562,10 +453,10 @@ static int cmd_encode(int argc, char **argv) {
         for (size_t i = 0; i < o.len; i++) printf("%02x", o.data[i]);
         printf("\n");
     } else {
-        failed(rc, &err);
+        failed((escrow_code)rc, &err);
     }
     free(o.data);
-    return (int)rc;
+    return rc;
 }
 
 static void json_journal(FILE *out, const journal_info *j) {
@@ -826,8 +717,8 @@ static int command(int argc, char **argv) {
         return 0;
     }
     if (strcmp(cmd, "update") == 0 && nargs >= 3) {
-        update_args u;
-        if (parse_update(nargs - 1, args + 1, &u) != 0) {
+        escrow__vector_update u;
+        if (escrow__vector_parse_update(nargs - 1, args + 1, &u) != 0) {
             fputs(usage, stderr);
             return 2;
         }

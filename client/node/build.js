@@ -3,8 +3,8 @@
 // system C compiler against the Node-API and libuv headers installed with Node, warnings as
 // errors. No node-gyp: one cc command, printed as it runs.
 //
-// The C client's parts that are there decide what the addon has (src/addon.h): each of
-// escrow_custody.c + escrow_journal.c, escrow_reclaim.c and escrow_repaint.c adds its calls.
+// Every file of the C client's library is built in (a missing one fails the build), and
+// vector_args.c, which the codec's test entry (src/codec.c) shares with the C test driver.
 'use strict';
 const { execFileSync } = require('node:child_process');
 const fs = require('node:fs');
@@ -12,13 +12,10 @@ const path = require('node:path');
 
 const here = __dirname;
 const c = path.join(here, '..', 'c');
+// The library's files, in client/c/README.md's order, then the test-vector aid.
 const library = ['escrow_errors.c', 'escrow_codec.c', 'escrow_frames.c', 'escrow_connect.c',
-  'escrow.c'];
-const parts = [
-  ['ESCROW_NODE_HAVE_CUSTODY', ['escrow_journal.c', 'escrow_custody.c']],
-  ['ESCROW_NODE_HAVE_RECLAIM', ['escrow_reclaim.c']],
-  ['ESCROW_NODE_HAVE_REPAINT', ['escrow_repaint.c']],
-];
+  'escrow_journal.c', 'escrow_custody.c', 'escrow.c', 'escrow_reclaim.c', 'escrow_repaint.c',
+  'vector_args.c'];
 
 function nodeIncludes() {
   const candidates = [
@@ -37,12 +34,6 @@ function nodeIncludes() {
 function main() {
   const sources = library.map((f) => path.join(c, f));
   const defines = ['-DESCROW_FULL_CODEC'];
-  for (const [define, files] of parts) {
-    if (files.every((f) => fs.existsSync(path.join(c, f)))) {
-      defines.push('-D' + define);
-      sources.push(...files.map((f) => path.join(c, f)));
-    }
-  }
   const src = path.join(here, 'src');
   sources.push(...fs.readdirSync(src).filter((f) => f.endsWith('.c')).sort()
     .map((f) => path.join(src, f)));

@@ -67,7 +67,12 @@ async function main() {
   custody.on('end', (id) => log({ event: 'ended', id }));
   custody.on('lapsed', () => log({ event: 'lapsed' }));
   custody.on('protected', () => log({ event: 'protected' }));
+  // The app runs until it is told to stop, as a terminal app's window stays open with no
+  // tab in it: the custody's own handles keep no process alive (a second instance that took
+  // nothing would otherwise exit at once).
+  const window = setInterval(() => {}, 1 << 30);
   process.on('SIGTERM', () => {
+    clearInterval(window);
     custody.close().then(() => process.exit(0), () => process.exit(1));
   });
 

@@ -39,10 +39,8 @@ void escrow__node_op_free(escrow__node_op *op) {
         if (op->kind == OP_RETRIEVE || op->kind == OP_CUSTODY_RETRIEVE)
             escrow_retrieved_free(&op->out.retrieved);
     }
-#if defined(ESCROW_NODE_HAVE_RECLAIM)
     if (op->kind == OP_RECLAIM || op->kind == OP_CUSTODY_RECLAIM)
         escrow_reclaim_report_free(&op->out.report);
-#endif
     free(op);
 }
 
@@ -63,14 +61,10 @@ static void execute(napi_env env, void *data) {
         break;
     case OP_HAND_OFF: op->rc = escrow_hand_off(&op->client, op->id, op->fd, &op->opts, e); break;
     case OP_RETRIEVE: op->rc = escrow_retrieve(&op->client, op->id, &op->out.retrieved, e); break;
-#if defined(ESCROW_NODE_HAVE_RECLAIM)
     case OP_RECLAIM:
         op->rc = escrow_reclaim_all(&op->client, op->seconds, &op->out.report, e);
         break;
-#endif
-#if defined(ESCROW_NODE_HAVE_REPAINT)
     case OP_REPAINT: op->rc = escrow_repaint(op->fd, e); break;
-#endif
     default: escrow__node_custody_execute(op); break;
     }
 }
@@ -130,8 +124,7 @@ int escrow__node_op_queue(napi_env env, escrow__node_op *op) {
 
 /* ---- the calls on a fresh connection ---------------------------------------------------- */
 
-/* {owner, socket, timeout}: the client's settings, checked by escrow_client_init. */
-static int read_client(napi_env env, napi_value v, escrow_client *c) {
+int escrow__node_read_client(napi_env env, napi_value v, escrow_client *c) {
     escrow_error err;
     int has_socket = 0;
     double timeout = 0;
@@ -161,7 +154,7 @@ static napi_value check_client(napi_env env, napi_callback_info info) {
     napi_value argv[1], o, v;
     escrow_client c;
     NAPI_OK(env, napi_get_cb_info(env, info, &argc, argv, NULL, NULL), NULL);
-    if (read_client(env, argc > 0 ? argv[0] : NULL, &c) != 0) return NULL;
+    if (escrow__node_read_client(env, argc > 0 ? argv[0] : NULL, &c) != 0) return NULL;
     napi_create_object(env, &o);
     napi_create_string_utf8(env, c.owner, NAPI_AUTO_LENGTH, &v);
     napi_set_named_property(env, o, "owner", v);
@@ -179,21 +172,13 @@ static napi_value call(napi_env env, napi_callback_info info) {
     int32_t kind;
     NAPI_OK(env, napi_get_cb_info(env, info, &argc, argv, NULL, NULL), NULL);
     NAPI_OK(env, napi_get_value_int32(env, argv[0], &kind), NULL);
-#if !defined(ESCROW_NODE_HAVE_RECLAIM)
-    if (kind == OP_RECLAIM)
-        return escrow__node_throw(env, ESCROW_OK, "this build has no reclaim (escrow_reclaim.c)");
-#endif
-#if !defined(ESCROW_NODE_HAVE_REPAINT)
-    if (kind == OP_REPAINT)
-        return escrow__node_throw(env, ESCROW_OK, "this build has no repaint (escrow_repaint.c)");
-#endif
     if (kind < OP_STATUS || kind > OP_REPAINT) {
         napi_throw_range_error(env, NULL, "not a call");
         return NULL;
     }
     escrow__node_op *op = escrow__node_op_new((escrow__node_kind)kind);
     if (op == NULL) return escrow__node_throw(env, ESCROW_SYSTEM, "out of memory");
-    int bad = kind != OP_REPAINT && read_client(env, argv[1], &op->client) != 0;
+    int bad = kind != OP_REPAINT && escrow__node_read_client(env, argv[1], &op->client) != 0;
     int64_t fd = -1;
     if (!bad) switch (kind) {
     case OP_LIST: bad = escrow__node_bool(env, argv[2], 0, &op->flag) != 0; break;
@@ -234,14 +219,7 @@ static void set_fn(napi_env env, napi_value exports, const char *name, napi_call
     napi_set_named_property(env, exports, name, f);
 }
 
-static void set_flag(napi_env env, napi_value o, const char *name, int on) {
-    napi_value b;
-    napi_get_boolean(env, on != 0, &b);
-    napi_set_named_property(env, o, name, b);
-}
-
 static napi_value init(napi_env env, napi_value exports) {
-    napi_value parts;
     set_fn(env, exports, "client", check_client);
     set_fn(env, exports, "call", call);
     set_fn(env, exports, "custodyOpen", escrow__node_custody_open);
@@ -249,24 +227,6 @@ static napi_value init(napi_env env, napi_value exports) {
     set_fn(env, exports, "custodySync", escrow__node_custody_sync);
     set_fn(env, exports, "encode", escrow__node_encode);
     set_fn(env, exports, "openpty", escrow__node_openpty);
-    /* What this build has of the C client (addon.h). */
-    napi_create_object(env, &parts);
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
-    set_flag(env, parts, "custody", 1);
-#else
-    set_flag(env, parts, "custody", 0);
-#endif
-#if defined(ESCROW_NODE_HAVE_RECLAIM)
-    set_flag(env, parts, "reclaim", 1);
-#else
-    set_flag(env, parts, "reclaim", 0);
-#endif
-#if defined(ESCROW_NODE_HAVE_REPAINT)
-    set_flag(env, parts, "repaint", 1);
-#else
-    set_flag(env, parts, "repaint", 0);
-#endif
-    napi_set_named_property(env, exports, "parts", parts);
     return exports;
 }
 

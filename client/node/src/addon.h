@@ -1,13 +1,12 @@
 /* addon.h: what the addon's files share. The addon is the C client (client/c/) under Node-API
  * (version 8): addon.c registers the calls and runs each off the main thread; convert.c turns
  * JS values into the C client's arguments and its answers into JS values; custody.c is a
- * custody on the event loop (one call at a time, the watcher, the sessions' reads); codec.c
+ * custody on the event loop, its call queue, with custody_watch.c its watcher and
+ * custody_reads.c its sessions' reads (custody.h); codec.c
  * is the codec's test entry; pty.c opens a terminal for the example app.
  *
- * Which parts of the C client are built in depends on the files there are: build.js defines
- * ESCROW_NODE_HAVE_CUSTODY (escrow_custody.c and escrow_journal.c), _RECLAIM
- * (escrow_reclaim.c) and _REPAINT (escrow_repaint.c); a call whose part is missing rejects
- * with code "unsupported".
+ * Every file of the C client's library is built in (build.js), and client/c/vector_args.c
+ * for codec.c.
  *
  * Every external name here starts `escrow__node_`, as the C client's own start `escrow__`.
  */
@@ -110,6 +109,10 @@ int escrow__node_op_queue(napi_env env, escrow__node_op *op);
 napi_value escrow__node_op_value(napi_env env, escrow__node_op *op);
 /* The op's error as a JS Error (a failed reclaim's carries the report: its fds). */
 napi_value escrow__node_op_error(napi_env env, escrow__node_op *op);
+
+/* {owner, socket, timeout}: the client's settings, checked by escrow_client_init (0; else
+ * -1, a JS error thrown). */
+int escrow__node_read_client(napi_env env, napi_value v, escrow_client *c);
 
 /* ---- custody.c: a custody on the event loop --------------------------------------------- */
 

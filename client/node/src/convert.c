@@ -84,8 +84,7 @@ napi_value escrow__node_throw(napi_env env, escrow_code code, const char *fmt, .
     va_list ap;
     memset(&e, 0, sizeof e);
     e.code = code;
-    snprintf(e.code_name, sizeof e.code_name, "%s",
-             code == ESCROW_OK ? "unsupported" : escrow_code_name(code));
+    snprintf(e.code_name, sizeof e.code_name, "%s", escrow_code_name(code));
     va_start(ap, fmt);
     vsnprintf(e.message, sizeof e.message, fmt, ap);
     va_end(ap);

@@ -1,30 +1,19 @@
-/* custody.c: a custody on Node's event loop (PROTOCOL.md 10.2, 10.4, 10.6).
+/* custody.c: a custody on Node's event loop, its call queue and its calls from JS
+ * (PROTOCOL.md 10.2).
  *
  * One call at a time: the C client lets one thread at a time use a custody, so its calls
  * (deposit, release, update, retrieve into custody, reclaim, close, and the watcher's resume)
  * wait in a queue, and each runs off the main thread only when the one before it is done.
- * While one runs, nothing on the main thread touches the custody: the watcher and the reads
- * below are stopped, and start again when the queue is empty.
+ * While one runs, nothing on the main thread touches the custody: the watcher
+ * (custody_watch.c) and the reads (custody_reads.c) are paused, and start again as soon as
+ * the queue is empty. A call waits at most the client's timeout for the holder, so the
+ * reads pause for no longer than that, plus the calls queued before it.
  *
- * The watcher: a uv_poll on escrow_custody_fd. It turns readable only when the holder goes
- * away (a crash, an upgrade); escrow_custody_check then says whether protection lapsed, and
- * if it did the custody emits 'lapsed' (with the error), and tries escrow_custody_resume
- * (off the main thread, as any call) after escrow_custody_retry_ms on a uv timer, again and
- * again with the C client's back-off, until it is protected again: 'protected'. A call that
- * lost the connection lapses protection the same way. The fd changes with every resume: the
- * poll is made again on the new one.
- *
- * Reading: the app reads a session through the custody, so that what it reads is recorded in
- * the session's journal (10.6) before the app can lose it: startReading(id) polls the master
- * and emits 'data' (id, Buffer) for each escrow_custody_read, 'end' (id) once the terminal
- * hung up (EIO). The master is made non-blocking, and the app must not read it itself.
- *
- * The fds: the custody's own (its socket, the kept duplicates) are the C client's; the
- * masters it reads are the app's (numbers the app got from a deposit, a retrieve or a
- * reclaim), never closed here. The polls are closed with the custody.
+ * The fds: the custody's own (its socket, the kept duplicates) are the C client's, closed by
+ * escrow_custody_close; the masters are the app's.
  */
 #define _GNU_SOURCE
-#include "addon.h"
+#include "custody.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,38 +22,10 @@
 #include <string.h>
 #include <unistd.h>
 
-/* A session this custody holds, as the app sees it: its master, and whether it is read. */
-typedef struct session {
-    char id[ESCROW_NAME_MAX + 1];
-    int fd;
-    int journal;
-    int reading;         /* the app asked for 'data' */
-    uv_poll_t *poll;     /* on the master, started while reading and the custody is idle */
-    escrow__node_custody *custody;
-} session;
+void escrow__node_free_handle(uv_handle_t *h) { free(h); }
 
-struct escrow__node_custody {
-    napi_env env;
-    escrow_client client;
-    escrow_custody cu;
-    int opened, closing, closed, busy;
-    int lapsed;                     /* 'lapsed' emitted, 'protected' not yet */
-    escrow__node_op *head, *tail;   /* the queue; the one running is not in it */
-    napi_ref self, emit;
-    napi_async_context context;
-    uv_loop_t *loop;
-    uv_poll_t *watch;               /* on escrow_custody_fd */
-    int watch_fd;
-    uv_timer_t *timer;              /* the next resume */
-    session **sessions;
-    size_t n, cap;
-};
-
-static void start_next(escrow__node_custody *c);
-
-/* ---- events ----------------------------------------------------------------------------- */
-
-static void emit(escrow__node_custody *c, const char *event, size_t argc, napi_value *args) {
+void escrow__node_custody_emit(escrow__node_custody *c, const char *event, size_t argc,
+                               napi_value *args) {
     napi_env env = c->env;
     napi_value fn, recv, argv[3], result;
     if (c->emit == NULL || napi_get_reference_value(env, c->emit, &fn) != napi_ok || fn == NULL)
@@ -79,174 +40,11 @@ static void emit(escrow__node_custody *c, const char *event, size_t argc, napi_v
     }
 }
 
-
-/* ---- the sessions ----------------------------------------------------------------------- */
-
-static void free_handle(uv_handle_t *h) { free(h); }
-
-static session *find(escrow__node_custody *c, const char *id) {
-    for (size_t i = 0; i < c->n; i++)
-        if (strcmp(c->sessions[i]->id, id) == 0) return c->sessions[i];
-    return NULL;
-}
-
-static void remove_session(escrow__node_custody *c, const char *id) {
-    for (size_t i = 0; i < c->n; i++) {
-        session *s = c->sessions[i];
-        if (strcmp(s->id, id) != 0) continue;
-        if (s->poll != NULL) uv_close((uv_handle_t *)s->poll, free_handle);
-        free(s);
-        c->sessions[i] = c->sessions[--c->n];
-        return;
-    }
-}
-
-/* The app holds `fd` for `id` now (a deposit, a retrieve into custody, a reclaim). */
-static void add_session(escrow__node_custody *c, const char *id, int fd) {
-    session *s = find(c, id);
-    if (s != NULL && s->fd != fd) remove_session(c, id), s = NULL;
-    if (s == NULL) {
-        if (c->n == c->cap) {
-            size_t cap = c->cap ? 2 * c->cap : 8;
-            session **grown = realloc(c->sessions, cap * sizeof *grown);
-            if (grown == NULL) return;
-            c->sessions = grown;
-            c->cap = cap;
-        }
-        if ((s = calloc(1, sizeof *s)) == NULL) return;
-        snprintf(s->id, sizeof s->id, "%s", id);
-        s->fd = fd;
-        s->custody = c;
-        c->sessions[c->n++] = s;
-    }
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
-    s->journal = escrow_custody_journaled(&c->cu, id);
-#endif
-}
-
-static void on_master(uv_poll_t *h, int status, int events) {
-    (void)status, (void)events;
-    session *s = h->data;
-    escrow__node_custody *c = s->custody;
-    if (c->busy || !s->reading) return;
-    unsigned char buf[65536];
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
-    long n = escrow_custody_read(&c->cu, s->id, buf, sizeof buf); /* recorded in its journal */
-#else
-    long n = (long)read(s->fd, buf, sizeof buf);
-#endif
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-    napi_handle_scope scope;
-    napi_open_handle_scope(c->env, &scope);
-    napi_value args[2];
-    napi_create_string_utf8(c->env, s->id, NAPI_AUTO_LENGTH, &args[0]);
-    if (n > 0) {
-        void *data;
-        napi_create_buffer_copy(c->env, (size_t)n, buf, &data, &args[1]);
-        emit(c, "data", 2, args); /* `s` may be gone after this */
-    } else {
-        /* EIO: the terminal hung up; anything else (ENOENT: not held here): no more reads. */
-        s->reading = 0;
-        uv_poll_stop(h);
-        napi_create_int32(c->env, n == 0 ? 0 : errno, &args[1]);
-        emit(c, "end", 2, args);
-    }
-    napi_close_handle_scope(c->env, scope);
-}
-
-/* ---- the watcher ------------------------------------------------------------------------ */
-
-static void stop_watch(escrow__node_custody *c) {
-    if (c->watch != NULL) uv_close((uv_handle_t *)c->watch, free_handle);
-    c->watch = NULL;
-    c->watch_fd = -1;
-}
-
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
-static void on_resume_time(uv_timer_t *t) {
-    escrow__node_custody *c = t->data;
-    if (c->closing) return;
-    escrow__node_op *op = escrow__node_op_new(OP_RESUME);
-    if (op == NULL) return;
-    op->custody = c;
-    if (c->tail != NULL) c->tail->next = op;
-    else c->head = op;
-    c->tail = op;
-    napi_handle_scope scope; /* a uv callback: queueing the work makes JS values */
-    napi_open_handle_scope(c->env, &scope);
-    start_next(c);
-    napi_close_handle_scope(c->env, scope);
-}
-
-static void resume_later(escrow__node_custody *c) {
-    if (c->closing) return;
-    if (c->timer == NULL) {
-        if ((c->timer = malloc(sizeof *c->timer)) == NULL) return;
-        uv_timer_init(c->loop, c->timer);
-        c->timer->data = c;
-        uv_unref((uv_handle_t *)c->timer); /* custody alone keeps no app running */
-    }
-    int ms = escrow_custody_retry_ms(&c->cu);
-    uv_timer_start(c->timer, on_resume_time, (uint64_t)(ms > 0 ? ms : 100), 0);
-}
-
-static void lapse(escrow__node_custody *c, const escrow_error *why) {
-    if (c->lapsed) return;
-    c->lapsed = 1;
-    escrow_error e;
-    if (why == NULL || why->code == ESCROW_OK) {
-        memset(&e, 0, sizeof e);
-        escrow__fail(&e, ESCROW_UNAVAILABLE, 0, NULL, "the holder went away");
-        why = &e;
-    }
-    napi_value error = escrow__node_error(c->env, why);
-    emit(c, "lapsed", 1, &error);
-}
-
-static void on_custody_fd(uv_poll_t *h, int status, int events) {
-    (void)status, (void)events;
-    escrow__node_custody *c = h->data;
-    if (c->busy || c->closing) return;
-    escrow_error e;
-    memset(&e, 0, sizeof e);
-    if (escrow_custody_check(&c->cu, &e) == ESCROW_OK) return; /* still there */
-    stop_watch(c);
-    napi_handle_scope scope;
-    napi_open_handle_scope(c->env, &scope);
-    lapse(c, &e);
-    napi_close_handle_scope(c->env, scope);
-    resume_later(c);
-}
-#endif
-
 /* The queue is empty: watch the custody's fd (a new one after a resume) and read again. */
 static void idle(escrow__node_custody *c) {
     if (c->closing || !c->opened) return;
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
-    int fd = escrow_custody_fd(&c->cu);
-    if (fd != c->watch_fd) stop_watch(c);
-    if (fd >= 0 && c->watch == NULL && (c->watch = malloc(sizeof *c->watch)) != NULL) {
-        if (uv_poll_init(c->loop, c->watch, fd) != 0) {
-            free(c->watch);
-            c->watch = NULL;
-        } else {
-            c->watch->data = c;
-            c->watch_fd = fd;
-            uv_unref((uv_handle_t *)c->watch);
-        }
-    }
-    if (c->watch != NULL) uv_poll_start(c->watch, UV_READABLE | UV_DISCONNECT, on_custody_fd);
-#endif
-    for (size_t i = 0; i < c->n; i++) {
-        session *s = c->sessions[i];
-        if (s->reading && s->poll != NULL) uv_poll_start(s->poll, UV_READABLE, on_master);
-    }
-}
-
-static void pause_all(escrow__node_custody *c) {
-    if (c->watch != NULL) uv_poll_stop(c->watch);
-    for (size_t i = 0; i < c->n; i++)
-        if (c->sessions[i]->poll != NULL) uv_poll_stop(c->sessions[i]->poll);
+    escrow__node_watch_start(c);
+    escrow__node_reads_start(c);
 }
 
 /* ---- the queue -------------------------------------------------------------------------- */
@@ -262,7 +60,8 @@ static void start_next(escrow__node_custody *c) {
             continue;
         }
         c->busy = 1;
-        pause_all(c);
+        escrow__node_watch_pause(c);
+        escrow__node_reads_pause(c);
         if (escrow__node_op_queue(c->env, op) != 0) {
             c->busy = 0;
             escrow__fail(&op->err, op->rc = ESCROW_SYSTEM, 0, op->id, "napi_queue_async_work");
@@ -271,6 +70,13 @@ static void start_next(escrow__node_custody *c) {
         }
     }
     if (!c->busy) idle(c);
+}
+
+void escrow__node_custody_enqueue(escrow__node_custody *c, escrow__node_op *op) {
+    if (c->tail != NULL) c->tail->next = op;
+    else c->head = op;
+    c->tail = op;
+    start_next(c);
 }
 
 void escrow__node_custody_execute(escrow__node_op *op) {
@@ -287,27 +93,21 @@ void escrow__node_custody_execute(escrow__node_op *op) {
                                        e);
         break;
     case OP_CUSTODY_CLOSE: escrow_custody_close(cu); break;
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
     case OP_CUSTODY_RETRIEVE:
         op->rc = escrow_custody_retrieve(cu, op->id, op->flag, &op->out.retrieved, e);
         break;
     case OP_RESUME: op->rc = escrow_custody_resume(cu, e); break;
-#endif
-#if defined(ESCROW_NODE_HAVE_RECLAIM)
     case OP_CUSTODY_RECLAIM:
         op->rc = escrow_custody_reclaim_all(cu, op->flag, op->seconds, &op->out.report, e);
         break;
-#endif
     default: op->rc = escrow__fail(e, ESCROW_CONFIG, 0, NULL, "not a custody call"); break;
     }
 }
 
 static void closed(escrow__node_custody *c) {
     c->closed = c->closing = 1;
-    stop_watch(c);
-    if (c->timer != NULL) uv_close((uv_handle_t *)c->timer, free_handle);
-    c->timer = NULL;
-    while (c->n > 0) remove_session(c, c->sessions[0]->id);
+    escrow__node_watch_close(c);
+    while (c->n > 0) escrow__node_session_remove(c, c->sessions[0]->id);
     if (c->emit != NULL) napi_delete_reference(c->env, c->emit);
     c->emit = NULL;
     napi_async_destroy(c->env, c->context);
@@ -331,17 +131,17 @@ void escrow__node_custody_complete(napi_env env, escrow__node_op *op) {
     case OP_DEPOSIT:
         /* Unanswered, it may be escrowed: the C client keeps it and a resume settles it. */
         if (ok || op->rc == ESCROW_UNRESPONSIVE || op->rc == ESCROW_UNAVAILABLE)
-            add_session(c, op->id, op->fd);
+            escrow__node_session_add(c, op->id, op->fd);
         break;
     case OP_CUSTODY_RELEASE:
-        if (ok) remove_session(c, op->id);
+        if (ok) escrow__node_session_remove(c, op->id);
         break;
     case OP_CUSTODY_RETRIEVE:
-        if (ok) add_session(c, op->id, op->out.retrieved.fd);
+        if (ok) escrow__node_session_add(c, op->id, op->out.retrieved.fd);
         break;
     case OP_CUSTODY_RECLAIM:
         for (size_t i = 0; i < op->out.report.n_retrieved; i++)
-            add_session(c, op->out.report.retrieved[i].session.id, op->out.report.retrieved[i].fd);
+            escrow__node_session_add(c, op->out.report.retrieved[i].session.id, op->out.report.retrieved[i].fd);
         break;
     default: break;
     }
@@ -353,16 +153,7 @@ void escrow__node_custody_complete(napi_env env, escrow__node_op *op) {
     if (op->kind == OP_CUSTODY_CLOSE || (op->kind == OP_CUSTODY_OPEN && !ok)) {
         closed(c);
     } else if (c->opened && !c->closing) {
-#if defined(ESCROW_NODE_HAVE_CUSTODY)
-        if (escrow_custody_fd(&c->cu) < 0) { /* lost the holder: lapsed, or still lapsed */
-            lapse(c, &op->err);
-            resume_later(c);
-        } else if (c->lapsed) {
-            c->lapsed = 0;
-            stop_watch(c); /* a new connection: idle() watches its fd */
-            emit(c, "protected", 0, NULL);
-        }
-#endif
+        escrow__node_watch_after(c, &op->err);
     }
     napi_close_handle_scope(env, scope);
     escrow__node_op_free(op);
@@ -388,24 +179,7 @@ napi_value escrow__node_custody_open(napi_env env, napi_callback_info info) {
     c->env = env;
     c->watch_fd = -1;
     c->cu.sock = -1;
-    escrow_error err;
-    char *owner = escrow__node_string(env, escrow__node_get(env, argv[0], "owner"), 0, NULL);
-    int has_socket = 0;
-    double timeout = 0;
-    char *socket = owner == NULL ? NULL
-                                 : escrow__node_string(env, escrow__node_get(env, argv[0], "socket"),
-                                                       1, &has_socket);
-    bool pending = false;
-    napi_is_exception_pending(env, &pending);
-    escrow_code rc = ESCROW_CONFIG;
-    if (!pending &&
-        escrow__node_double(env, escrow__node_get(env, argv[0], "timeout"), 0, &timeout) == 0) {
-        rc = escrow_client_init(&c->client, owner, socket, timeout, &err);
-        if (rc != ESCROW_OK) napi_throw(env, escrow__node_error(env, &err));
-    }
-    free(owner);
-    free(socket);
-    if (rc != ESCROW_OK) {
+    if (escrow__node_read_client(env, argv[0], &c->client) != 0) {
         free(c);
         return NULL;
     }
@@ -457,15 +231,6 @@ napi_value escrow__node_custody_call(napi_env env, napi_callback_info info) {
         napi_throw_range_error(env, NULL, "not a custody call");
         return NULL;
     }
-#if !defined(ESCROW_NODE_HAVE_CUSTODY)
-    if (kind == OP_CUSTODY_RETRIEVE)
-        return escrow__node_throw(env, ESCROW_OK, "this build has no retrieve into custody "
-                                  "(escrow_custody.c)");
-#endif
-#if !defined(ESCROW_NODE_HAVE_RECLAIM)
-    if (kind == OP_CUSTODY_RECLAIM)
-        return escrow__node_throw(env, ESCROW_OK, "this build has no reclaim (escrow_reclaim.c)");
-#endif
     if (c->closing) return escrow__node_throw(env, ESCROW_CONFIG, "this custody is closed");
     escrow__node_op *op = escrow__node_op_new((escrow__node_kind)kind);
     if (op == NULL) return escrow__node_throw(env, ESCROW_SYSTEM, "out of memory");
@@ -504,10 +269,7 @@ napi_value escrow__node_custody_call(napi_env env, napi_callback_info info) {
         return NULL;
     }
     if (kind == OP_CUSTODY_CLOSE && c->timer != NULL) uv_timer_stop(c->timer);
-    if (c->tail != NULL) c->tail->next = op;
-    else c->head = op;
-    c->tail = op;
-    start_next(c);
+    escrow__node_custody_enqueue(c, op);
     return promise;
 }
 
@@ -527,33 +289,19 @@ napi_value escrow__node_custody_sync(napi_env env, napi_callback_info info) {
     }
     char *id = escrow__node_string(env, argv[2], 0, NULL);
     if (id == NULL) return NULL;
-    session *s = find(c, id);
+    escrow__node_held *s = escrow__node_session_find(c, id);
     if (strcmp(what, "journaled") == 0) {
         napi_get_boolean(env, s != NULL && s->journal, &result);
     } else if (strcmp(what, "fd") == 0) {
         napi_create_int32(env, s != NULL ? s->fd : -1, &result);
     } else if (strcmp(what, "startReading") == 0 || strcmp(what, "stopReading") == 0) {
-        int start = what[2] == 'a';
-        if (s == NULL) {
+        int failed = s == NULL || escrow__node_session_read(c, s, what[2] == 'a') != 0;
+        if (s == NULL)
             escrow__node_throw(env, ESCROW_UNKNOWN, "no session %.128s in this custody", id);
+        if (failed) {
             free(id);
             return NULL;
         }
-        if (start && s->poll == NULL && (s->poll = malloc(sizeof *s->poll)) != NULL) {
-            int flags = fcntl(s->fd, F_GETFL);
-            if (flags >= 0) fcntl(s->fd, F_SETFL, flags | O_NONBLOCK); /* never blocks the loop */
-            if (uv_poll_init(c->loop, s->poll, s->fd) != 0) {
-                free(s->poll);
-                s->poll = NULL;
-                free(id);
-                return escrow__node_throw(env, ESCROW_SYSTEM, "cannot poll the master of %.128s",
-                                          s->id);
-            }
-            s->poll->data = s;
-        }
-        s->reading = start;
-        if (!start && s->poll != NULL) uv_poll_stop(s->poll);
-        if (start && !c->busy && s->poll != NULL) uv_poll_start(s->poll, UV_READABLE, on_master);
     } else {
         free(id);
         napi_throw_range_error(env, NULL, "not a custody question");

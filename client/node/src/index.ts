@@ -18,7 +18,6 @@ export type EscrowCode =
   | 'not_a_terminal' | 'custody_held' | 'busy' | 'drain_stop_timeout' | 'limit'
   | 'handed_off' | 'released' | 'expired' | 'ack_late'
   | 'unavailable' | 'unresponsive' | 'config' | 'protocol' | 'system'
-  | 'unsupported' // this build of the addon has no such part of the C client
   | (string & {}); // a code newer than this client
 
 export interface EscrowError extends Error {
@@ -164,7 +163,6 @@ interface Native {
   custodySync(handle: object, what: string, id?: string): unknown;
   encode(type: string, args: string[]): string;
   openpty(cols: number, rows: number): { master: number; slave: number; path: string };
-  parts: { custody: boolean; reclaim: boolean; repaint: boolean };
 }
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports
@@ -176,9 +174,6 @@ const enum Op {
   CustodyOpen, Deposit, CustodyRelease, CustodyUpdate, CustodyRetrieve, CustodyReclaim,
   CustodyClose,
 }
-
-/** Which parts of the C client this build has (the others reject with 'unsupported'). */
-export const parts: Readonly<Native['parts']> = Object.freeze({ ...native.parts });
 
 export class EscrowClient {
   readonly owner: string;

@@ -1,0 +1,69 @@
+/* custody.h: what the three files of a custody on the event loop share (PROTOCOL.md 10.2).
+ * custody.c is the call queue (one call at a time, off the main thread) and the calls from
+ * JS; custody_watch.c is the watcher (the custody's fd, the resume on a timer, 'lapsed' and
+ * 'protected'); custody_reads.c is the sessions the custody holds and their reads ('data',
+ * 'end'). Only the queue starts and stops the other two: while a call runs, neither touches
+ * the custody.
+ */
+#ifndef ESCROW_NODE_CUSTODY_H
+#define ESCROW_NODE_CUSTODY_H
+
+#include "addon.h"
+
+/* A session this custody holds, as the app sees it: its master, and whether it is read. */
+typedef struct escrow__node_held {
+    char id[ESCROW_NAME_MAX + 1];
+    int fd;
+    int journal;
+    int reading;         /* the app asked for 'data' */
+    uv_poll_t *poll;     /* on the master, started while reading and the custody is idle */
+    escrow__node_custody *custody;
+} escrow__node_held;
+
+struct escrow__node_custody {
+    napi_env env;
+    escrow_client client;
+    escrow_custody cu;
+    int opened, closing, closed, busy;
+    int lapsed;                     /* 'lapsed' emitted, 'protected' not yet */
+    escrow__node_op *head, *tail;   /* the queue; the one running is not in it */
+    napi_ref self, emit;
+    napi_async_context context;
+    uv_loop_t *loop;
+    uv_poll_t *watch;               /* on escrow_custody_fd */
+    int watch_fd;
+    uv_timer_t *timer;              /* the next resume */
+    escrow__node_held **sessions;
+    size_t n, cap;
+};
+
+/* ---- custody.c: the queue --------------------------------------------------------------- */
+
+/* Append op and run the queue (a uv callback opens a handle scope around it). */
+void escrow__node_custody_enqueue(escrow__node_custody *c, escrow__node_op *op);
+/* The custody's listener: emit(event, ...args) in JS; a listener's throw is fatal, as any
+ * callback's. */
+void escrow__node_custody_emit(escrow__node_custody *c, const char *event, size_t argc,
+                               napi_value *args);
+void escrow__node_free_handle(uv_handle_t *h);
+
+/* ---- custody_watch.c: the watcher ------------------------------------------------------- */
+
+void escrow__node_watch_start(escrow__node_custody *c); /* the queue is empty */
+void escrow__node_watch_pause(escrow__node_custody *c); /* a call starts */
+/* A call is done: lapse where it lost the holder, 'protected' where a lapse is over. */
+void escrow__node_watch_after(escrow__node_custody *c, const escrow_error *why);
+void escrow__node_watch_close(escrow__node_custody *c); /* the watch and the timer */
+
+/* ---- custody_reads.c: the sessions and their reads -------------------------------------- */
+
+escrow__node_held *escrow__node_session_find(escrow__node_custody *c, const char *id);
+/* The app holds `fd` for `id` now (a deposit, a retrieve into custody, a reclaim). */
+void escrow__node_session_add(escrow__node_custody *c, const char *id, int fd);
+void escrow__node_session_remove(escrow__node_custody *c, const char *id);
+/* startReading / stopReading: 0, or -1 with a JS error thrown. */
+int escrow__node_session_read(escrow__node_custody *c, escrow__node_held *s, int start);
+void escrow__node_reads_start(escrow__node_custody *c); /* the queue is empty */
+void escrow__node_reads_pause(escrow__node_custody *c); /* a call starts */
+
+#endif

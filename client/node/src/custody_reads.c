@@ -1,0 +1,120 @@
+/* custody_reads.c: the sessions a custody holds, and the app's reads of them (PROTOCOL.md
+ * 10.6).
+ *
+ * The app reads a session through the custody, so that what it reads is recorded in the
+ * session's journal before the app can lose it: startReading(id) polls the master and emits
+ * 'data' (id, Buffer) for each escrow_custody_read, 'end' (id, errno) once the terminal hung
+ * up (EIO) or cannot be read. The master is made non-blocking, and the app must not read it
+ * itself.
+ *
+ * Reads pause while a custody call runs (the C client lets one thread at a time use a
+ * custody, and the call runs on another): the queue stops every poll before it starts a
+ * call, and starts them again as soon as it is empty. The polls are level-triggered, so a
+ * master that turned readable during the call is read on the loop's next turn, without
+ * waiting for more output.
+ *
+ * The fds: the masters are the app's (numbers it got from a deposit, a retrieve or a
+ * reclaim), never closed here; a session's poll is closed when it leaves the custody.
+ */
+#define _GNU_SOURCE
+#include "custody.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+escrow__node_held *escrow__node_session_find(escrow__node_custody *c, const char *id) {
+    for (size_t i = 0; i < c->n; i++)
+        if (strcmp(c->sessions[i]->id, id) == 0) return c->sessions[i];
+    return NULL;
+}
+
+void escrow__node_session_remove(escrow__node_custody *c, const char *id) {
+    for (size_t i = 0; i < c->n; i++) {
+        escrow__node_held *s = c->sessions[i];
+        if (strcmp(s->id, id) != 0) continue;
+        if (s->poll != NULL) uv_close((uv_handle_t *)s->poll, escrow__node_free_handle);
+        free(s);
+        c->sessions[i] = c->sessions[--c->n];
+        return;
+    }
+}
+
+void escrow__node_session_add(escrow__node_custody *c, const char *id, int fd) {
+    escrow__node_held *s = escrow__node_session_find(c, id);
+    if (s != NULL && s->fd != fd) escrow__node_session_remove(c, id), s = NULL;
+    if (s == NULL) {
+        if (c->n == c->cap) {
+            size_t cap = c->cap ? 2 * c->cap : 8;
+            escrow__node_held **grown = realloc(c->sessions, cap * sizeof *grown);
+            if (grown == NULL) return;
+            c->sessions = grown;
+            c->cap = cap;
+        }
+        if ((s = calloc(1, sizeof *s)) == NULL) return;
+        snprintf(s->id, sizeof s->id, "%s", id);
+        s->fd = fd;
+        s->custody = c;
+        c->sessions[c->n++] = s;
+    }
+    s->journal = escrow_custody_journaled(&c->cu, id);
+}
+
+static void on_master(uv_poll_t *h, int status, int events) {
+    (void)status, (void)events;
+    escrow__node_held *s = h->data;
+    escrow__node_custody *c = s->custody;
+    if (c->busy || !s->reading) return;
+    unsigned char buf[65536];
+    long n = escrow_custody_read(&c->cu, s->id, buf, sizeof buf); /* recorded in its journal */
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    napi_handle_scope scope;
+    napi_open_handle_scope(c->env, &scope);
+    napi_value args[2];
+    napi_create_string_utf8(c->env, s->id, NAPI_AUTO_LENGTH, &args[0]);
+    if (n > 0) {
+        void *data;
+        napi_create_buffer_copy(c->env, (size_t)n, buf, &data, &args[1]);
+        escrow__node_custody_emit(c, "data", 2, args); /* `s` may be gone after this */
+    } else {
+        /* EIO: the terminal hung up; anything else (ENOENT: not held here): no more reads. */
+        s->reading = 0;
+        uv_poll_stop(h);
+        napi_create_int32(c->env, n == 0 ? 0 : errno, &args[1]);
+        escrow__node_custody_emit(c, "end", 2, args);
+    }
+    napi_close_handle_scope(c->env, scope);
+}
+
+int escrow__node_session_read(escrow__node_custody *c, escrow__node_held *s, int start) {
+    if (start && s->poll == NULL && (s->poll = malloc(sizeof *s->poll)) != NULL) {
+        int flags = fcntl(s->fd, F_GETFL);
+        if (flags >= 0) fcntl(s->fd, F_SETFL, flags | O_NONBLOCK); /* never blocks the loop */
+        if (uv_poll_init(c->loop, s->poll, s->fd) != 0) {
+            free(s->poll);
+            s->poll = NULL;
+            escrow__node_throw(c->env, ESCROW_SYSTEM, "cannot poll the master of %.128s", s->id);
+            return -1;
+        }
+        s->poll->data = s;
+    }
+    s->reading = start;
+    if (!start && s->poll != NULL) uv_poll_stop(s->poll);
+    /* During a call the queue starts it once the call is done. */
+    if (start && !c->busy && s->poll != NULL) uv_poll_start(s->poll, UV_READABLE, on_master);
+    return 0;
+}
+
+void escrow__node_reads_start(escrow__node_custody *c) {
+    for (size_t i = 0; i < c->n; i++) {
+        escrow__node_held *s = c->sessions[i];
+        if (s->reading && s->poll != NULL) uv_poll_start(s->poll, UV_READABLE, on_master);
+    }
+}
+
+void escrow__node_reads_pause(escrow__node_custody *c) {
+    for (size_t i = 0; i < c->n; i++)
+        if (c->sessions[i]->poll != NULL) uv_poll_stop(c->sessions[i]->poll);
+}

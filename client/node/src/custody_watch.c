@@ -1,0 +1,114 @@
+/* custody_watch.c: a custody's watcher on the event loop, that takes custody back when the
+ * holder goes away (PROTOCOL.md 10.4).
+ *
+ * A uv_poll on escrow_custody_fd: it turns readable only when the holder goes away (a crash,
+ * an upgrade); escrow_custody_check then says whether protection lapsed, and if it did the
+ * custody emits 'lapsed' (with the error), and tries escrow_custody_resume (through the
+ * queue, off the main thread, as any call) after escrow_custody_retry_ms on a uv timer,
+ * again and again with the C client's back-off, until it is protected again: 'protected'. A
+ * call that lost the connection lapses protection the same way. The fd changes with every
+ * resume: the poll is made again on the new one.
+ *
+ * Neither the poll nor the timer keeps the app running (uv_unref): a custody alone is no
+ * reason for a process to stay. Both are closed with the custody.
+ */
+#define _GNU_SOURCE
+#include "custody.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void stop_watch(escrow__node_custody *c) {
+    if (c->watch != NULL) uv_close((uv_handle_t *)c->watch, escrow__node_free_handle);
+    c->watch = NULL;
+    c->watch_fd = -1;
+}
+
+static void on_resume_time(uv_timer_t *t) {
+    escrow__node_custody *c = t->data;
+    if (c->closing) return;
+    escrow__node_op *op = escrow__node_op_new(OP_RESUME);
+    if (op == NULL) return;
+    op->custody = c;
+    napi_handle_scope scope; /* a uv callback: queueing the work makes JS values */
+    napi_open_handle_scope(c->env, &scope);
+    escrow__node_custody_enqueue(c, op);
+    napi_close_handle_scope(c->env, scope);
+}
+
+static void resume_later(escrow__node_custody *c) {
+    if (c->closing) return;
+    if (c->timer == NULL) {
+        if ((c->timer = malloc(sizeof *c->timer)) == NULL) return;
+        uv_timer_init(c->loop, c->timer);
+        c->timer->data = c;
+        uv_unref((uv_handle_t *)c->timer);
+    }
+    int ms = escrow_custody_retry_ms(&c->cu);
+    uv_timer_start(c->timer, on_resume_time, (uint64_t)(ms > 0 ? ms : 100), 0);
+}
+
+static void lapse(escrow__node_custody *c, const escrow_error *why) {
+    if (c->lapsed) return;
+    c->lapsed = 1;
+    escrow_error e;
+    if (why == NULL || why->code == ESCROW_OK) {
+        memset(&e, 0, sizeof e);
+        escrow__fail(&e, ESCROW_UNAVAILABLE, 0, NULL, "the holder went away");
+        why = &e;
+    }
+    napi_value error = escrow__node_error(c->env, why);
+    escrow__node_custody_emit(c, "lapsed", 1, &error);
+}
+
+static void on_custody_fd(uv_poll_t *h, int status, int events) {
+    (void)status, (void)events;
+    escrow__node_custody *c = h->data;
+    if (c->busy || c->closing) return;
+    escrow_error e;
+    memset(&e, 0, sizeof e);
+    if (escrow_custody_check(&c->cu, &e) == ESCROW_OK) return; /* still there */
+    stop_watch(c);
+    napi_handle_scope scope;
+    napi_open_handle_scope(c->env, &scope);
+    lapse(c, &e);
+    napi_close_handle_scope(c->env, scope);
+    resume_later(c);
+}
+
+void escrow__node_watch_start(escrow__node_custody *c) {
+    int fd = escrow_custody_fd(&c->cu);
+    if (fd != c->watch_fd) stop_watch(c);
+    if (fd >= 0 && c->watch == NULL && (c->watch = malloc(sizeof *c->watch)) != NULL) {
+        if (uv_poll_init(c->loop, c->watch, fd) != 0) {
+            free(c->watch);
+            c->watch = NULL;
+        } else {
+            c->watch->data = c;
+            c->watch_fd = fd;
+            uv_unref((uv_handle_t *)c->watch);
+        }
+    }
+    if (c->watch != NULL) uv_poll_start(c->watch, UV_READABLE | UV_DISCONNECT, on_custody_fd);
+}
+
+void escrow__node_watch_pause(escrow__node_custody *c) {
+    if (c->watch != NULL) uv_poll_stop(c->watch);
+}
+
+void escrow__node_watch_after(escrow__node_custody *c, const escrow_error *why) {
+    if (escrow_custody_fd(&c->cu) < 0) { /* lost the holder: lapsed, or still lapsed */
+        lapse(c, why);
+        resume_later(c);
+    } else if (c->lapsed) {
+        c->lapsed = 0;
+        stop_watch(c); /* a new connection: watch_start watches its fd */
+        escrow__node_custody_emit(c, "protected", 0, NULL);
+    }
+}
+
+void escrow__node_watch_close(escrow__node_custody *c) {
+    stop_watch(c);
+    if (c->timer != NULL) uv_close((uv_handle_t *)c->timer, escrow__node_free_handle);
+    c->timer = NULL;
+}
