@@ -16,7 +16,7 @@ const library = ['escrow_errors.c', 'escrow_codec.c', 'escrow_frames.c', 'escrow
   'escrow.c'];
 const parts = [
   ['ESCROW_NODE_HAVE_CUSTODY', ['escrow_journal.c', 'escrow_custody.c']],
-  ['ESCROW_NODE_HAVE_RECLAIM', ['escrow_reclaim.c']],
+  ['ESCROW_NODE_HAVE_RECLAIM', ['escrow_retrieve_many.c', 'escrow_reclaim.c']],
   ['ESCROW_NODE_HAVE_REPAINT', ['escrow_repaint.c']],
 ];
 
