@@ -72,12 +72,13 @@ class Holding:
         return status, rest
 
 
-def hold_c(build: Build, socket_path: str, *args: str) -> Holding:
-    """Start the driver with `args` (ending with --hold); return once it holds."""
+def hold_c(build: Build, socket_path: str, *args: str, out: bool = False) -> Holding:
+    """Start the driver with `args` (ending with --hold or --read); return once it holds.
+    With `out`, its stdout is a pipe (what --read read)."""
     proc = subprocess.Popen(
         [str(build.sanitized), "--timeout", "5.0", "--socket", socket_path, *args],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**os.environ, **SANITIZER_ENV})
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE if out else subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env={**os.environ, **SANITIZER_ENV})
     assert proc.stderr is not None
     lines: list[dict[str, Any]] = []
     text = b""
@@ -102,7 +103,7 @@ def holders_kept() -> Iterator[list[Holding]]:
         if h.proc.poll() is None:
             h.proc.kill()
             h.proc.wait()
-        for stream in (h.proc.stdin, h.proc.stderr):
+        for stream in (h.proc.stdin, h.proc.stdout, h.proc.stderr):
             if stream is not None:
                 stream.close()
 
@@ -159,6 +160,52 @@ def test_a_crash_right_after_the_reclaim_loses_nothing(
     finally:
         os.close(again.fd)
     assert_gap_free_from_1(data)
+
+
+def _lines_from(stream: Any, more: int) -> bytes:
+    """Read `stream` (a pipe) until it has `more` newlines; every byte read."""
+    data = b""
+    deadline = time.monotonic() + 10
+    while data.count(b"\n") < more:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {more} lines: {data!r}"
+        if select.select([stream], [], [], left)[0]:
+            chunk = os.read(stream.fileno(), 65536)
+            assert chunk, f"the driver's output ended: {data!r}"
+            data += chunk
+    return data
+
+
+def test_what_the_app_reads_after_a_reclaim_with_a_journal_survives_its_sigkill(
+    build: Build, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    holders_kept: list[Holding],
+) -> None:
+    """The driver reclaims into custody with a journal, reads on (escrow_custody_read
+    records what it reads), and is SIGKILLed. The next retrieve's replay is the first
+    replay, then what the driver read, then what the holder drained after: every line
+    once, in order."""
+    kid = pty_children(["sh", "-c", COUNTER])
+    holder.client().hand_off("tab", kid.master, child_pid=kid.pid)
+    wait_for(lambda: states(holder)["tab"].buffered_bytes > 40, what="some lines drained")
+    held = hold_c(build, holder.socket, "reclaim", "--keep", "--journal", "--read", out=True)
+    holders_kept.append(held)
+    (got,) = held.report()["retrieved"]
+    assert (got["confirmed"], got["journal"]) == (True, True)
+    first = bytes.fromhex(got["replay"]["bin"])
+    assert held.proc.stdout is not None
+    read_by_app = _lines_from(held.proc.stdout, 5)
+    held.proc.send_signal(signal.SIGKILL)
+    held.proc.wait(30)
+    read_by_app += held.proc.stdout.read()  # what it wrote before the kill, if more
+    wait_for(lambda: states(holder)["tab"].state == "draining", what="draining again")
+    again = holder.client().retrieve("tab")
+    try:
+        replay = bytes(again.replay)
+        assert replay.startswith(first + read_by_app), "the replay, then what the app read"
+        assert again.replay_journaled >= len(read_by_app)
+        assert_gap_free_from_1(read_more_lines(again.fd, replay, 5))
+    finally:
+        os.close(again.fd)
 
 
 def test_custody_held_is_retried_while_the_old_app_exits(
