@@ -1,13 +1,16 @@
-"""The C client takes sessions back into custody, many at once, and reclaims them all at
-launch (client/c/escrow_reclaim.c), and repaints (client/c/escrow_repaint.c).
+"""The C client takes sessions back into custody, many at once (client/c/
+escrow_retrieve_many.c), and reclaims them all at launch (client/c/escrow_reclaim.c), and
+repaints (client/c/escrow_repaint.c).
 
 Through the test driver (built by tests/test_c_client.py, sanitized, with its check at exit
 that no fd was left open) against a real holder with real shells: a reclaim into custody
 takes every session and they stay held by the driver's pid; SIGKILLed right after, nothing
-is lost; custody_held is retried while the old app exits and reported at once when another
-live process holds the session; the report tells a lost escrow from an empty one; a
-hundred sessions come back over one connection. A scripted fake holder gives what a real
-one will not on cue: a non-terminal in a handoff, a `done` that never comes, `ack_late`.
+is lost, and with a journal what it read after the reclaim is not lost either; custody_held
+is retried while the old app exits and reported at once when another live process holds
+the session; the report tells a lost escrow from an empty one; a hundred sessions come back
+over one connection. A scripted fake holder gives what a real one will not on cue: a
+non-terminal in a handoff, a `done` that never comes, `ack_late`, and a session held by a
+zombie that the holder has not yet seen hang up.
 """
 
 from __future__ import annotations
@@ -425,6 +428,58 @@ def test_of_two_handoffs_the_terminal_is_acked_and_the_pipe_is_not(
     assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [("tty", True)]
     assert report["failed"]["pipe"]["code"] == "protocol"
     assert report["restarts"] is None, "nil: unknown, never read as no restart"
+
+
+def _state_of(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2]
+
+
+def test_a_zombie_custodian_counts_as_dead_and_is_retried_past_the_grace(
+    build: Build, fake: Callable[..., FakeHolder], pty_children: Callable[..., PtyChild],
+) -> None:
+    """The old app exited and its parent has not reaped it (a zombie: kill(pid, 0) still
+    succeeds), and the holder has not yet seen the hang-up: custody_held. Past the 1 s
+    grace the reclaim retries it all the same, the custodian being positively dead, and
+    takes the session once the holder hands it off."""
+    kid = pty_children(SLEEPER)
+    zombie = subprocess.Popen(["true"])  # never waited for until the end: a zombie
+    try:
+        wait_for(lambda: _state_of(zombie.pid) == "Z", what="a zombie")
+        grace = 1.0  # escrow_reclaim.c's CUSTODY_GRACE
+
+        def held_by_a_zombie(conn: socket.socket) -> None:
+            _keep_welcome(conn)
+            assert isinstance(read(conn), protocol.Status)
+            send(conn, protocol.HolderStatus(pid=1, version="fake", started_at=1.0,
+                                             socket="x", instance="i-1"))
+            assert isinstance(read(conn), protocol.List)
+            send(conn, protocol.Sessions(sessions=[protocol.SessionInfo(
+                owner=OWNER, id="s", state="held", deposited_at=1.5,
+                custodian_pid=zombie.pid)]))
+            first: float | None = None
+            answered = 0.0
+            while True:
+                assert read(conn) == protocol.Retrieve(id="s")
+                first = time.monotonic() if first is None else first
+                # The grace began before the first retrieve: a retry asked for after an
+                # answer sent past first + grace was asked past the grace.
+                if answered > first + grace:
+                    break
+                answered = time.monotonic()
+                send(conn, protocol.Error(code="custody_held", message="held", id="s"))
+            send(conn, _handoff("s"), fd=kid.master)
+            assert read(conn) == protocol.Ack(id="s", handoff_id="h-1")
+            send(conn, protocol.Done(id="s"))
+
+        holder = fake([held_by_a_zombie])
+        run = run_c(build, holder.path, "reclaim")
+        assert run.status == 0, run.err
+        report = report_of(run.err)
+        assert report["failed"] == {}
+        assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [("s", True)]
+    finally:
+        zombie.wait()
 
 
 @pytest.mark.parametrize(("listed", "code"), [
