@@ -84,13 +84,14 @@ def reclaim(
                         f"not enough of the reclaim deadline left to retrieve {sid}", sid))
                 break
             call = Deadline(min(timeout, until.remaining()))
+            got: dict[str, Retrieved] = {}
+            failed: dict[str, errors.EscrowError] = {}
             try:
                 if channel.sock.fileno() < 0:
                     if keep:
                         raise errors.HolderUnavailable(
                             "the custody connection closed during the reclaim")
                     channel = connect(call)
-                got, failed = {}, {}
                 # One request for them all, where the holder has retrieve_many.
                 size = (protocol.MAX_BATCH if "retrieve_many" in w.features else 1)
                 for start in range(0, len(pending), size):
@@ -100,12 +101,16 @@ def reclaim(
                     got.update(more)
                     failed.update(less)
             except errors.EscrowError as exc:
-                got, failed = {}, dict.fromkeys(pending, exc)
+                # The requests of this round that answered stand: what they took is the
+                # caller's, and only the sessions still unanswered failed with `exc`.
+                failed.update((sid, exc) for sid in pending
+                              if sid not in got and sid not in failed)
                 if not keep and isinstance(
                     exc, errors.HolderUnresponsive | errors.HolderUnavailable
                 ):
                     channel.close()
             except BaseException as exc:
+                report.retrieved.update(got)
                 report.retrieved.update(getattr(exc, "retrieved_all", {}))
                 raise
             report.retrieved.update(got)

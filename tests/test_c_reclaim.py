@@ -1,13 +1,16 @@
-"""The C client takes sessions back into custody, many at once, and reclaims them all at
-launch (client/c/escrow_reclaim.c), and repaints (client/c/escrow_repaint.c).
+"""The C client takes sessions back into custody, many at once (client/c/
+escrow_retrieve_many.c), and reclaims them all at launch (client/c/escrow_reclaim.c), and
+repaints (client/c/escrow_repaint.c).
 
 Through the test driver (built by tests/test_c_client.py, sanitized, with its check at exit
 that no fd was left open) against a real holder with real shells: a reclaim into custody
 takes every session and they stay held by the driver's pid; SIGKILLed right after, nothing
-is lost; custody_held is retried while the old app exits and reported at once when another
-live process holds the session; the report tells a lost escrow from an empty one; a
-hundred sessions come back over one connection. A scripted fake holder gives what a real
-one will not on cue: a non-terminal in a handoff, a `done` that never comes, `ack_late`.
+is lost, and with a journal what it read after the reclaim is not lost either; custody_held
+is retried while the old app exits and reported at once when another live process holds
+the session; the report tells a lost escrow from an empty one; a hundred sessions come back
+over one connection. A scripted fake holder gives what a real one will not on cue: a
+non-terminal in a handoff, a `done` that never comes, `ack_late`, and a session held by a
+zombie that the holder has not yet seen hang up.
 """
 
 from __future__ import annotations
@@ -72,12 +75,13 @@ class Holding:
         return status, rest
 
 
-def hold_c(build: Build, socket_path: str, *args: str) -> Holding:
-    """Start the driver with `args` (ending with --hold); return once it holds."""
+def hold_c(build: Build, socket_path: str, *args: str, out: bool = False) -> Holding:
+    """Start the driver with `args` (ending with --hold or --read); return once it holds.
+    With `out`, its stdout is a pipe (what --read read)."""
     proc = subprocess.Popen(
         [str(build.sanitized), "--timeout", "5.0", "--socket", socket_path, *args],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**os.environ, **SANITIZER_ENV})
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE if out else subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env={**os.environ, **SANITIZER_ENV})
     assert proc.stderr is not None
     lines: list[dict[str, Any]] = []
     text = b""
@@ -102,7 +106,7 @@ def holders_kept() -> Iterator[list[Holding]]:
         if h.proc.poll() is None:
             h.proc.kill()
             h.proc.wait()
-        for stream in (h.proc.stdin, h.proc.stderr):
+        for stream in (h.proc.stdin, h.proc.stdout, h.proc.stderr):
             if stream is not None:
                 stream.close()
 
@@ -159,6 +163,52 @@ def test_a_crash_right_after_the_reclaim_loses_nothing(
     finally:
         os.close(again.fd)
     assert_gap_free_from_1(data)
+
+
+def _lines_from(stream: Any, more: int) -> bytes:
+    """Read `stream` (a pipe) until it has `more` newlines; every byte read."""
+    data = b""
+    deadline = time.monotonic() + 10
+    while data.count(b"\n") < more:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {more} lines: {data!r}"
+        if select.select([stream], [], [], left)[0]:
+            chunk = os.read(stream.fileno(), 65536)
+            assert chunk, f"the driver's output ended: {data!r}"
+            data += chunk
+    return data
+
+
+def test_what_the_app_reads_after_a_reclaim_with_a_journal_survives_its_sigkill(
+    build: Build, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    holders_kept: list[Holding],
+) -> None:
+    """The driver reclaims into custody with a journal, reads on (escrow_custody_read
+    records what it reads), and is SIGKILLed. The next retrieve's replay is the first
+    replay, then what the driver read, then what the holder drained after: every line
+    once, in order."""
+    kid = pty_children(["sh", "-c", COUNTER])
+    holder.client().hand_off("tab", kid.master, child_pid=kid.pid)
+    wait_for(lambda: states(holder)["tab"].buffered_bytes > 40, what="some lines drained")
+    held = hold_c(build, holder.socket, "reclaim", "--keep", "--journal", "--read", out=True)
+    holders_kept.append(held)
+    (got,) = held.report()["retrieved"]
+    assert (got["confirmed"], got["journal"]) == (True, True)
+    first = bytes.fromhex(got["replay"]["bin"])
+    assert held.proc.stdout is not None
+    read_by_app = _lines_from(held.proc.stdout, 5)
+    held.proc.send_signal(signal.SIGKILL)
+    held.proc.wait(30)
+    read_by_app += held.proc.stdout.read()  # what it wrote before the kill, if more
+    wait_for(lambda: states(holder)["tab"].state == "draining", what="draining again")
+    again = holder.client().retrieve("tab")
+    try:
+        replay = bytes(again.replay)
+        assert replay.startswith(first + read_by_app), "the replay, then what the app read"
+        assert again.replay_journaled >= len(read_by_app)
+        assert_gap_free_from_1(read_more_lines(again.fd, replay, 5))
+    finally:
+        os.close(again.fd)
 
 
 def test_custody_held_is_retried_while_the_old_app_exits(
@@ -378,6 +428,58 @@ def test_of_two_handoffs_the_terminal_is_acked_and_the_pipe_is_not(
     assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [("tty", True)]
     assert report["failed"]["pipe"]["code"] == "protocol"
     assert report["restarts"] is None, "nil: unknown, never read as no restart"
+
+
+def _state_of(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2]
+
+
+def test_a_zombie_custodian_counts_as_dead_and_is_retried_past_the_grace(
+    build: Build, fake: Callable[..., FakeHolder], pty_children: Callable[..., PtyChild],
+) -> None:
+    """The old app exited and its parent has not reaped it (a zombie: kill(pid, 0) still
+    succeeds), and the holder has not yet seen the hang-up: custody_held. Past the 1 s
+    grace the reclaim retries it all the same, the custodian being positively dead, and
+    takes the session once the holder hands it off."""
+    kid = pty_children(SLEEPER)
+    zombie = subprocess.Popen(["true"])  # never waited for until the end: a zombie
+    try:
+        wait_for(lambda: _state_of(zombie.pid) == "Z", what="a zombie")
+        grace = 1.0  # escrow_reclaim.c's CUSTODY_GRACE
+
+        def held_by_a_zombie(conn: socket.socket) -> None:
+            _keep_welcome(conn)
+            assert isinstance(read(conn), protocol.Status)
+            send(conn, protocol.HolderStatus(pid=1, version="fake", started_at=1.0,
+                                             socket="x", instance="i-1"))
+            assert isinstance(read(conn), protocol.List)
+            send(conn, protocol.Sessions(sessions=[protocol.SessionInfo(
+                owner=OWNER, id="s", state="held", deposited_at=1.5,
+                custodian_pid=zombie.pid)]))
+            first: float | None = None
+            answered = 0.0
+            while True:
+                assert read(conn) == protocol.Retrieve(id="s")
+                first = time.monotonic() if first is None else first
+                # The grace began before the first retrieve: a retry asked for after an
+                # answer sent past first + grace was asked past the grace.
+                if answered > first + grace:
+                    break
+                answered = time.monotonic()
+                send(conn, protocol.Error(code="custody_held", message="held", id="s"))
+            send(conn, _handoff("s"), fd=kid.master)
+            assert read(conn) == protocol.Ack(id="s", handoff_id="h-1")
+            send(conn, protocol.Done(id="s"))
+
+        holder = fake([held_by_a_zombie])
+        run = run_c(build, holder.path, "reclaim")
+        assert run.status == 0, run.err
+        report = report_of(run.err)
+        assert report["failed"] == {}
+        assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [("s", True)]
+    finally:
+        zombie.wait()
 
 
 @pytest.mark.parametrize(("listed", "code"), [

@@ -289,7 +289,8 @@ def _value(r: _Reader, depth: int, key: str | None) -> Iterator[Row]:
     raw, fmt, length, scalar = r.header()
     if fmt in ("fixmap", "map16", "map32"):
         assert length is not None
-        yield key_bytes + raw, f"{indent}{label}{fmt}, {_count(length, 'entry', 'entries')}"
+        yield from _rows(key_bytes + raw, f"{indent}{label}{fmt}, "
+                         f"{_count(length, 'entry', 'entries')}")
         for _ in range(length):
             k_raw, k_fmt, k_len, _ = r.header()
             assert k_fmt in ("fixstr", "str8") and k_len is not None
@@ -299,7 +300,8 @@ def _value(r: _Reader, depth: int, key: str | None) -> Iterator[Row]:
         return
     if fmt in ("fixarray", "array16", "array32"):
         assert length is not None
-        yield key_bytes + raw, f"{indent}{label}{fmt}, {_count(length, 'item', 'items')}"
+        yield from _rows(key_bytes + raw, f"{indent}{label}{fmt}, "
+                         f"{_count(length, 'item', 'items')}")
         for _ in range(length):
             yield from _value(r, depth + 1, None)
         return

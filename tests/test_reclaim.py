@@ -10,11 +10,13 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from fakeholder import FakeHolder, Peer
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
-from escrow_client import CustodyHeld, EscrowConfigError
+from escrow_client import CustodyHeld, EscrowConfigError, protocol
 
 SHELL_TICKS = ["sh", "-c", 'i=0; while :; do i=$((i+1)); echo "T$i"; sleep 0.05; done']
 
@@ -122,6 +124,50 @@ def test_single_retrieve_does_not_retry_custody_held(
             raise AssertionError("retrieve of a held session succeeded")
         assert _states(holder) == {"tab": "held"}
     wait_for(lambda: _states(holder) == {"tab": "draining"}, what="draining after custody")
+
+
+def test_what_a_round_took_stays_in_the_report_when_a_later_request_of_it_fails(
+    socket_dir: Path,
+) -> None:
+    """A holder without retrieve_many gets one request per session in a round. The first
+    is handed off and done; the second is refused whole (an error naming no session, which
+    ends that round's requests). The first session's fd is the caller's all the same: it is
+    in `retrieved` (never in `failed`), and only the second failed."""
+    master, slave = os.openpty()
+
+    def script(peer: Peer) -> None:
+        peer.expect(protocol.Status)
+        peer.send(protocol.HolderStatus(pid=1, version="fake", started_at=1.0, socket="x",
+                                        instance="i-1"))
+        peer.expect(protocol.List)
+        infos = [protocol.SessionInfo(owner=OWNER, id=sid, state="draining", deposited_at=1.5)
+                 for sid in ("first", "second")]
+        peer.send(protocol.Sessions(sessions=infos))
+        assert peer.receive() == protocol.Retrieve(id="first")
+        handed = protocol.SessionInfo(owner=OWNER, id="first", state="handing_off",
+                                      deposited_at=1.5, handoff_id="h-1")
+        peer.send(protocol.Handoff(handoff_id="h-1", session=handed, replay=b"R"), fd=master)
+        assert peer.receive() == protocol.Ack(id="first", handoff_id="h-1")
+        peer.send(protocol.Done(id="first"))
+        assert peer.receive() == protocol.Retrieve(id="second")
+        peer.send(protocol.Error(code="bad_request", message="not now"))
+        peer.until_eof()
+
+    try:
+        with FakeHolder(socket_dir, [script]) as fake:
+            report = fake.client().reclaim_all(deadline=4.0)
+        try:
+            assert sorted(report.retrieved) == ["first"]
+            assert report.retrieved["first"].confirmed
+            assert os.isatty(report.retrieved["first"].fd)
+            assert sorted(report.failed) == ["second"]
+            assert report.failed["second"].code == "bad_request"
+        finally:
+            for got in report.retrieved.values():
+                os.close(got.fd)
+    finally:
+        os.close(master)
+        os.close(slave)
 
 
 APP_THAT_FORKS = textwrap.dedent("""

@@ -1,9 +1,9 @@
 /* escrow-c: a small command-line driver for the C client, run by the test suite.
  *
- * It links the library built with ESCROW_FULL_CODEC, and includes escrow_internal.h, so that
- * `encode` and `decode` can reach the codec (the encoders of retrieve_many and ack_many and
- * the decoder of done_many too) to check it against the protocol's test vectors; every other
- * command goes through escrow.h exactly as an app would.
+ * It links the library's objects as an app does, and includes escrow_internal.h only so that
+ * `encode` and `decode` can reach the codec (every encoder and decoder is in every build of
+ * the library, retrieve_many's, ack_many's and done_many's too) to check it against the
+ * protocol's test vectors; every other command goes through escrow.h exactly as an app would.
  *
  * Output: JSON on stdout for what was asked (the terminal's raw bytes for `app` and
  * `retrieve`), and JSON lines on stderr: an error ({"type": "error", "code": ...}, with the
@@ -13,10 +13,6 @@
  */
 #include "escrow_internal.h"
 #include "vector_args.h"
-
-#ifndef ESCROW_FULL_CODEC
-#error "build escrow-c with -DESCROW_FULL_CODEC: encode and decode reach the whole codec"
-#endif
 
 #include <errno.h>
 #include <fcntl.h>
@@ -43,9 +39,11 @@ static const char usage[] =
     "                            fork: a forked child drops the custody and reports its fds\n"
     "  retrieve ID [LINES]       retrieve; write the replay to stdout, then live output\n"
     "                            until LINES more newlines (default 0)\n"
-    "  reclaim [--keep] [--journal] [--deadline S] [--hold]\n"
+    "  reclaim [--keep] [--journal] [--deadline S] [--hold | --read]\n"
     "                            reclaim every session (--keep: into a custody); the report\n"
-    "                            on stderr; --hold: keep custody until stdin closes\n"
+    "                            on stderr; --hold: keep custody until stdin closes; --read:\n"
+    "                            that too, reading each session with escrow_custody_read\n"
+    "                            (its journal records it) to stdout meanwhile\n"
     "  custody-retrieve ID [--journal] [--hold]\n"
     "                            retrieve one session into a custody; the facts on stderr\n"
     "  repaint FD                make the program on the inherited master FD redraw\n"
@@ -603,9 +601,40 @@ static void hold(void) {
 
 /* reclaim and custody-retrieve: the flags after the command's own arguments. */
 typedef struct custody_flags {
-    int keep, journal, hold;
+    int keep, journal, hold, read;
     double deadline;
 } custody_flags;
+
+/* --read: until stdin closes, what the custody reads of each session goes to stdout, as an
+ * app that journals shows it (a test SIGKILLs us meanwhile, or closes stdin). */
+static void read_until_stdin_ends(escrow_custody *cu, const escrow_reclaim_report *r) {
+    struct pollfd *p = calloc(r->n_retrieved + 1, sizeof *p);
+    if (p == NULL) return;
+    p[0].fd = 0;
+    for (size_t i = 0; i < r->n_retrieved; i++) p[i + 1].fd = r->retrieved[i].fd;
+    for (size_t i = 0; i <= r->n_retrieved; i++) p[i].events = POLLIN;
+    fputs("{\"holding\": true}\n", stderr);
+    fflush(stderr);
+    for (;;) {
+        if (poll(p, (nfds_t)r->n_retrieved + 1, -1) < 0) continue;
+        if (p[0].revents != 0) {
+            char sink[64];
+            if (read(0, sink, sizeof sink) <= 0) break;
+        }
+        for (size_t i = 0; i < r->n_retrieved; i++) {
+            if (p[i + 1].revents == 0) continue;
+            char buf[4096];
+            long n = escrow_custody_read(cu, r->retrieved[i].session.id, buf, sizeof buf);
+            if (n > 0) {
+                fwrite(buf, 1, (size_t)n, stdout);
+                fflush(stdout);
+            } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+                p[i + 1].fd = -1; /* hung up: poll skips it */
+            }
+        }
+    }
+    free(p);
+}
 
 static int parse_custody_flags(int argc, char **argv, custody_flags *f) {
     memset(f, 0, sizeof *f);
@@ -613,6 +642,7 @@ static int parse_custody_flags(int argc, char **argv, custody_flags *f) {
         if (strcmp(argv[i], "--keep") == 0) f->keep = 1;
         else if (strcmp(argv[i], "--journal") == 0) f->journal = 1;
         else if (strcmp(argv[i], "--hold") == 0) f->hold = 1;
+        else if (strcmp(argv[i], "--read") == 0) f->read = 1;
         else if (strcmp(argv[i], "--deadline") == 0 && i + 1 < argc) f->deadline = atof(argv[++i]);
         else return -1;
     }
@@ -629,7 +659,8 @@ static int cmd_reclaim(const escrow_client *c, const custody_flags *f) {
                  : escrow_reclaim_all(c, f->deadline, &report, &err);
     json_report(stderr, &report);
     if (rc != ESCROW_OK) json_error(stderr, &err);
-    if (f->hold) hold();
+    if (f->read && f->keep) read_until_stdin_ends(&cu, &report);
+    else if (f->hold || f->read) hold();
     for (size_t i = 0; i < report.n_retrieved; i++) close(report.retrieved[i].fd);
     escrow_reclaim_report_free(&report);
     if (f->keep) escrow_custody_close(&cu);

@@ -154,7 +154,7 @@ static void give_back(escrow_retrieved *r) {
 }
 
 /* `done` never came: ask on a fresh connection who owns the fd (section 12.3). We still hold
- * our copy, unread. (escrow_reclaim.c asks it too, for a retrieve_many.) */
+ * our copy, unread. (escrow_retrieve_many.c asks it too, for a retrieve_many.) */
 escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err) {
     double deadline = escrow__now() + c->timeout;
     const char *id = r->session.id;

@@ -19,8 +19,12 @@
  *                     10.2, 10.4, 10.5)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
- *   escrow_reclaim.c  retrieve into custody, retrieve_many with ack_many, and every session
- *                     at launch with its report (sections 12.6, 12.7 and 16)
+ *   escrow_retrieve_many.c
+ *                     one exchange of retrieve or retrieve_many, its checks, ack or
+ *                     ack_many, and a `done` that never came (sections 12.2, 12.3, 12.6,
+ *                     12.7); retrieve into custody
+ *   escrow_reclaim.c  every session at launch in rounds of those, with its report
+ *                     (section 16)
  *   escrow_repaint.c  the program on a retrieved terminal made to redraw (section 12.5)
  *
  * A port reads them in that order; one whose language has MessagePack skips the first
@@ -144,7 +148,7 @@ int escrow__decode_error_fields(const frame *f, escrow_error *e);
 /* An `error` frame, as the escrow_code it names (ESCROW_OTHER for a code newer than us). */
 escrow_code escrow__decode_error(const frame *f, escrow_error *err);
 
-/* retrieve_many, ack_many and done_many (section 12.7): escrow_reclaim.c speaks them. */
+/* retrieve_many, ack_many and done_many (section 12.7): escrow_retrieve_many.c speaks them. */
 escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size_t count,
                                          int keep, int journal, int replay_file,
                                          escrow_error *err);
@@ -212,5 +216,17 @@ escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int jo
                                  escrow_error *err);
 /* The custody's connection failed in a call with no answer: close it, protection lapsed. */
 void escrow__custody_lost(escrow_custody *cu);
+
+/* ---- escrow_retrieve_many.c: one exchange (sections 12.2, 12.3, 12.6, 12.7) ------------- */
+
+/* Retrieve ids[0..n) over `c` in one request (into custody `cu`, on its connection, when
+ * not NULL). Every id ends with its answer in errs[i]: ESCROW_OK, taken and appended to
+ * `into` (the caller's fd; with `cu`, kept by the custody too). Returns what spoiled the
+ * whole call, if anything (then `c` is closed, or with `cu` lapsed). */
+escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids, size_t n,
+                             int journal, double deadline, escrow_reclaim_report *into,
+                             escrow_error *errs);
+/* ESCROW_CONFIG, naming `id`, unless `cu` has a connection to a holder with "keep". */
+escrow_code escrow__custody_usable(escrow_custody *cu, const char *id, escrow_error *err);
 
 #endif

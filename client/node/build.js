@@ -14,8 +14,8 @@ const here = __dirname;
 const c = path.join(here, '..', 'c');
 // The library's files, in client/c/README.md's order, then the test-vector aid.
 const library = ['escrow_errors.c', 'escrow_codec.c', 'escrow_frames.c', 'escrow_connect.c',
-  'escrow_journal.c', 'escrow_custody.c', 'escrow.c', 'escrow_reclaim.c', 'escrow_repaint.c',
-  'vector_args.c'];
+  'escrow_journal.c', 'escrow_custody.c', 'escrow.c', 'escrow_retrieve_many.c',
+  'escrow_reclaim.c', 'escrow_repaint.c', 'vector_args.c'];
 
 function nodeIncludes() {
   const candidates = [
@@ -33,14 +33,13 @@ function nodeIncludes() {
 
 function main() {
   const sources = library.map((f) => path.join(c, f));
-  const defines = ['-DESCROW_FULL_CODEC'];
   const src = path.join(here, 'src');
   sources.push(...fs.readdirSync(src).filter((f) => f.endsWith('.c')).sort()
     .map((f) => path.join(src, f)));
   const out = path.join(here, 'build');
   fs.mkdirSync(out, { recursive: true });
   const args = ['-std=c11', '-Wall', '-Wextra', '-Werror', '-O2', '-g', '-fPIC', '-shared',
-    '-fvisibility=hidden', ...defines, '-I', c, '-I', nodeIncludes(), ...sources,
+    '-fvisibility=hidden', '-I', c, '-I', nodeIncludes(), ...sources,
     '-o', path.join(out, 'escrow.node')];
   if (process.platform === 'darwin') args.push('-undefined', 'dynamic_lookup');
   else args.push('-lutil'); // openpty (src/pty.c)
