@@ -374,6 +374,25 @@ def test_run_and_attach_as_the_docs_write_them(doc: str, screens: Screens,
 # --- the C client's README ---------------------------------------------------------------
 
 
+def test_every_test_the_c_clients_table_names_exists() -> None:
+    """Each row of client/c/README.md's "What it has" names the tests that show it: a
+    name that no longer exists (renamed, removed) would leave a "yes" with nothing behind
+    it. `::name` after a `tests/file.py::name` is another test of the same file."""
+    readme = (REPO / "client/c/README.md").read_text()
+    table = readme.split("## What it has", 1)[1].split("\n## ", 1)[0]
+    named: list[tuple[str, str]] = []
+    for row in table.splitlines():
+        current = ""
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", row):
+            current = path or current
+            assert current, f"{name} names no file: {row}"
+            named.append((current, name))
+    assert len(named) >= 7, named
+    for path, name in named:
+        source = (REPO / path).read_text()
+        assert re.search(rf"^def {name}\(", source, re.M), f"{path}::{name} does not exist"
+
+
 def test_the_c_example_compiles_and_takes_a_session_back(
         holder: HolderProcess, workdir: Path) -> None:
     """client/c/README.md: its compile command as written (in a copy of client/c), and its
