@@ -15,7 +15,7 @@ const c = path.join(here, '..', 'c');
 const library = ['escrow_errors.c', 'escrow_codec.c', 'escrow_frames.c', 'escrow_connect.c',
   'escrow.c'];
 const parts = [
-  ['ESCROW_NODE_HAVE_CUSTODY', ['escrow_journal.c', 'escrow_custody.c']],
+  ['ESCROW_NODE_HAVE_CUSTODY', ['escrow_journal.c', 'escrow_resume.c', 'escrow_custody.c']],
   ['ESCROW_NODE_HAVE_RECLAIM', ['escrow_reclaim.c']],
   ['ESCROW_NODE_HAVE_REPAINT', ['escrow_repaint.c']],
 ];
