@@ -199,21 +199,27 @@ def _journal_file(magic: bytes) -> int:
     return fd
 
 
-@pytest.mark.parametrize("magic", [b"ESCROWSF", b"ESCROWJL"])
+@pytest.mark.parametrize(("magic", "capacity"), [
+    (b"ESCROWSF", 65536), (b"ESCROWJL", 65536),
+    (b"ESCROWJL", 4096),  # a ring shorter than the data: written within it
+    (b"ESCROWJL", 65537), (b"ESCROWJL", 0),  # 0 < capacity <= data size, or not believed
+])
 def test_a_journal_file_that_fails_the_checks_is_not_mapped_and_the_session_is_escrowed(
     build: Build, fake: Callable[..., FakeHolder], pty_children: Callable[..., PtyChild],  # noqa: F811
-    c_apps: list[CApp], magic: bytes,
+    c_apps: list[CApp], magic: bytes, capacity: int,
 ) -> None:
     """A holder whose journal file is of another layout (layout 1's magic, an earlier
-    holder's state file): the deposit succeeds, without a journal. The right layout is
-    journaled (the same script otherwise)."""
+    holder's state file), or whose message says a ring the file has no room for (PROTOCOL.md
+    10.6): the deposit succeeds, without a journal. The right layout is journaled (the same
+    script otherwise), in the ring the message says."""
     file = _journal_file(magic)
+    journaled = magic == b"ESCROWJL" and 0 < capacity <= 65536
 
     def serve(conn: socket.socket) -> None:
         greet(conn)
         request = read(conn)
         assert isinstance(request, protocol.Deposit) and request.journal
-        layout = protocol.Journal(capacity=65536, total=0, position=0)
+        layout = protocol.Journal(capacity=capacity, total=0, position=0)
         send(conn, protocol.Deposited(id=request.id, journal=layout), fd=file)
         conn.settimeout(20)
         assert conn.recv(1) == b""  # custody ends as the app does
@@ -222,12 +228,12 @@ def test_a_journal_file_that_fails_the_checks_is_not_mapped_and_the_session_is_e
     child = counter(pty_children)
     app = start(c_apps, build, holder.path, "tab", child, journal=True)
     try:
-        assert app.next_event("its deposit") == {
-            "event": "deposited", "journaled": magic == b"ESCROWJL"}
+        assert app.next_event("its deposit") == {"event": "deposited", "journaled": journaled}
         app.read_lines(3)
         assert app.end() == 0
         total = int.from_bytes(os.pread(file, 8, 32), "little")
-        assert (total > 0) == (magic == b"ESCROWJL")
+        assert (total > 0) == journaled
+        assert os.pread(file, 65536, 4096 + capacity).strip(b"\0") == b""  # past the ring
     finally:
         os.close(file)
 
