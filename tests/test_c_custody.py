@@ -1,5 +1,5 @@
 """The C client's custody survives the holder, and its journal keeps the scrollback
-(client/c/escrow_custody.c, escrow_journal.c; PROTOCOL.md 10.4 and 10.6).
+(client/c/escrow_custody.c, escrow_resume.c, escrow_journal.c; PROTOCOL.md 10.4 and 10.6).
 
 A real C app (the driver's `custody-app`, built with ASan and UBSan, checking at exit that
 no fd was left open) deposits a shell printing numbered lines, reads it with
@@ -8,6 +8,11 @@ readable, calls escrow_custody_check and then escrow_custody_resume with its bac
 saying so on stderr. Against a real holder, under a real keeper: SIGKILL the app and its
 journal has the scrollback from the first line; SIGKILL the holder and the app takes
 custody back by itself; lose the keeper too and it deposits again from its duplicate.
+
+The driver's custody-script drives one custody a call per line, for what must happen in a
+given order (client/c/escrow_resume.c): a call that times out keeps the connection, custody
+of every other session with it, and its late answer settles it; a session with no duplicate
+stays unprotected; the journal's overflow and a write torn by a SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -193,21 +199,27 @@ def _journal_file(magic: bytes) -> int:
     return fd
 
 
-@pytest.mark.parametrize("magic", [b"ESCROWSF", b"ESCROWJL"])
+@pytest.mark.parametrize(("magic", "capacity"), [
+    (b"ESCROWSF", 65536), (b"ESCROWJL", 65536),
+    (b"ESCROWJL", 4096),  # a ring shorter than the data: written within it
+    (b"ESCROWJL", 65537), (b"ESCROWJL", 0),  # 0 < capacity <= data size, or not believed
+])
 def test_a_journal_file_that_fails_the_checks_is_not_mapped_and_the_session_is_escrowed(
     build: Build, fake: Callable[..., FakeHolder], pty_children: Callable[..., PtyChild],  # noqa: F811
-    c_apps: list[CApp], magic: bytes,
+    c_apps: list[CApp], magic: bytes, capacity: int,
 ) -> None:
     """A holder whose journal file is of another layout (layout 1's magic, an earlier
-    holder's state file): the deposit succeeds, without a journal. The right layout is
-    journaled (the same script otherwise)."""
+    holder's state file), or whose message says a ring the file has no room for (PROTOCOL.md
+    10.6): the deposit succeeds, without a journal. The right layout is journaled (the same
+    script otherwise), in the ring the message says."""
     file = _journal_file(magic)
+    journaled = magic == b"ESCROWJL" and 0 < capacity <= 65536
 
     def serve(conn: socket.socket) -> None:
         greet(conn)
         request = read(conn)
         assert isinstance(request, protocol.Deposit) and request.journal
-        layout = protocol.Journal(capacity=65536, total=0, position=0)
+        layout = protocol.Journal(capacity=capacity, total=0, position=0)
         send(conn, protocol.Deposited(id=request.id, journal=layout), fd=file)
         conn.settimeout(20)
         assert conn.recv(1) == b""  # custody ends as the app does
@@ -216,12 +228,12 @@ def test_a_journal_file_that_fails_the_checks_is_not_mapped_and_the_session_is_e
     child = counter(pty_children)
     app = start(c_apps, build, holder.path, "tab", child, journal=True)
     try:
-        assert app.next_event("its deposit") == {
-            "event": "deposited", "journaled": magic == b"ESCROWJL"}
+        assert app.next_event("its deposit") == {"event": "deposited", "journaled": journaled}
         app.read_lines(3)
         assert app.end() == 0
         total = int.from_bytes(os.pread(file, 8, 32), "little")
-        assert (total > 0) == (magic == b"ESCROWJL")
+        assert (total > 0) == journaled
+        assert os.pread(file, 65536, 4096 + capacity).strip(b"\0") == b""  # past the ring
     finally:
         os.close(file)
 
@@ -323,3 +335,255 @@ def test_a_forked_child_of_the_c_app_holds_nothing(
     os.kill(forked["pid"], 0)  # it does live
     assert app.proc.stdin is not None
     app.proc.stdin.close()  # and now it ends
+
+
+# --- a custody driven line by line (the driver's custody-script) -----------------------------
+
+
+class Script:
+    """The driver's custody-script: one custody, a line of stdin per call, a JSON line of
+    stdout for each ({"cmd", "code", "id", "protected", "fd"})."""
+
+    def __init__(self, build: Build, socket_path: str, *, timeout: float = 1.0,
+                 pass_fds: tuple[int, ...] = ()) -> None:
+        argv = [str(build.sanitized), "--timeout", str(timeout), "--socket", socket_path,
+                "custody-script"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, pass_fds=pass_fds,
+                                     env={**os.environ, **SANITIZER_ENV})
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float = 15.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"custody-script did not answer within {timeout}s"
+        line = self.proc.stdout.readline()
+        assert line, f"custody-script ended: {self._stderr()}"
+        got: dict[str, Any] = json.loads(line)
+        return got
+
+    def call(self, line: str) -> dict[str, Any]:
+        self.send(line)
+        return self.answer()
+
+    def end(self) -> None:
+        """Close stdin: custody ends, and the driver checks that it left no fd open."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        status = self.proc.wait(30)
+        err = self._stderr()
+        assert "Sanitizer" not in err and "runtime error" not in err, err
+        assert status == 0 and "leaked_fds" not in err, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None and not f.closed:
+                f.close()
+
+    def _stderr(self) -> str:
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None \
+            else ""
+
+
+@pytest.fixture
+def scripts() -> Iterator[list[Script]]:
+    started: list[Script] = []
+    yield started
+    for s in started:
+        s.kill()
+
+
+def script(scripts: list[Script], *args: Any, **kwargs: Any) -> Script:
+    scripts.append(Script(*args, **kwargs))
+    return scripts[-1]
+
+
+def _said(got: dict[str, Any], code: str, protected: int, sid: str = "") -> None:
+    assert (got["code"], got["protected"]) == (code, protected), got
+    if sid:
+        assert got["id"] == sid, got
+
+
+def test_a_timed_out_custody_call_keeps_the_connection_and_its_late_answer_settles(
+    build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+) -> None:
+    """Found in review: a custody call that timed out closed its connection, which ended
+    custody of every other session on it while the app still read them. Now the connection
+    stays open, owed the answer: a late `deposited` read by escrow_custody_check settles s2
+    as held; a late refusal of s3, read first by the next call (an update, sent only after
+    it), keeps s3 unprotected until a resume deposits it again. One connection throughout,
+    and every request in the order the app made them."""
+    late_s2, sent_s2, late_s3 = threading.Event(), threading.Event(), threading.Event()
+    requests: list[protocol.Request] = []
+
+    def holder(conn: socket.socket) -> None:
+        greet(conn)
+
+        def next_request() -> protocol.Request:
+            requests.append(read(conn))
+            return requests[-1]
+
+        assert isinstance(next_request(), protocol.Deposit)
+        send(conn, protocol.Deposited(id="s1"))
+        assert isinstance(next_request(), protocol.Deposit)
+        assert late_s2.wait(20)
+        send(conn, protocol.Deposited(id="s2"))
+        sent_s2.set()
+        assert isinstance(next_request(), protocol.Deposit)
+        assert late_s3.wait(20)
+        send(conn, protocol.Error(code="limit", message="too many sessions", id="s3"))
+        assert isinstance(next_request(), protocol.Update)
+        send(conn, protocol.Updated(id="s1"))
+        assert isinstance(next_request(), protocol.Deposit)  # s3, by the resume
+        send(conn, protocol.Deposited(id="s3"))
+        conn.settimeout(20)
+        assert conn.recv(1) == b"", "custody ends only when the app ends it"
+
+    fake_holder = fake([holder])
+    pipes = [os.pipe() for _ in range(3)]  # what is deposited: the fake does not look
+    try:
+        app = script(scripts, build, fake_holder.path,
+                     pass_fds=tuple(r for r, _ in pipes))
+        _said(app.call(f"deposit s1 {pipes[0][0]}"), "ok", 1)
+        _said(app.call(f"deposit s2 {pipes[1][0]}"), "unresponsive", 0)
+        late_s2.set()
+        assert sent_s2.wait(20)
+        _said(app.call("check"), "ok", 1)  # the late deposited: s2 held
+        _said(app.call(f"deposit s3 {pipes[2][0]}"), "unresponsive", 0)
+        late_s3.set()
+        _said(app.call("update s1 80 24"), "ok", 0)  # s3 refused late: kept, not held
+        _said(app.call("resume"), "ok", 1)
+        app.end()
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+    assert [(type(r).__name__, getattr(r, "id", None)) for r in requests] == [
+        ("Deposit", "s1"), ("Deposit", "s2"), ("Deposit", "s3"), ("Update", "s1"),
+        ("Deposit", "s3")]
+
+
+def test_a_holder_stopped_past_the_timeout_never_drains_the_other_sessions(
+    build: Build, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], scripts: list[Script],
+) -> None:
+    """A real holder SIGSTOPped while s2 is deposited, past the client's timeout, then
+    SIGCONTed: s1 stays held by the app the whole time (the holder never saw the connection
+    go), and the late `deposited` settles s2 as held: protected again, with no resume."""
+    holder = make_holder("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
+    kids = [pty_children(["sh", "-c", "exec sleep 600"]) for _ in range(2)]
+    app = script(scripts, build, holder.socket, pass_fds=tuple(k.master for k in kids))
+    client = holder.client()
+    _said(app.call(f"deposit s1 {kids[0].master}"), "ok", 1)
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        _said(app.call(f"deposit s2 {kids[1].master}"), "unresponsive", 0)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    wait_for(lambda: held_by(client, "s2", app.proc.pid), 10.0, "s2 deposited, late")
+    assert held_by(client, "s1", app.proc.pid), client.list()
+    assert select.select([app.proc.stdout], [], [], 0)[0] == []
+    _said(app.call("check"), "ok", 1)
+    _said(app.call("release s1"), "ok", 1)
+    assert state_of(client, "s1") == "released" and held_by(client, "s2", app.proc.pid)
+    app.end()
+    assert state_of(client, "s2") == "draining"
+
+
+def test_a_session_retrieved_into_custody_without_a_duplicate_stays_unprotected(
+    build: Build, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    scripts: list[Script],
+) -> None:
+    """Found in review: a session retrieved into custody whose duplicate could not be made
+    (out of fds) lapsed the custody, and the next resume said protected again while that
+    session, held by the app, could not be given to any next holder. Now it stays
+    unprotected until the app releases it."""
+    kid = pty_children(["sh", "-c", "exec sleep 600"])
+    holder.client().hand_off("s1", kid.master, child_pid=kid.pid)
+    app = script(scripts, build, holder.socket, timeout=5.0)
+    _said(app.call("nofile 1"), "ok", 1)  # room for the master, none for its duplicate
+    got = app.call("retrieve s1")
+    _said(got, "ok", 0)
+    assert got["fd"] >= 3
+    _said(app.call("nofile off"), "ok", 0)
+    assert held_by(holder.client(), "s1", app.proc.pid)
+    _said(app.call("resume"), "system", 0, "s1")
+    assert app.call("read s1")["fd"] == -1  # EBADF: read the fd the retrieve gave
+    _said(app.call("release s1"), "ok", 0)
+    _said(app.call("resume"), "ok", 1)  # released: nothing unprotected is held here
+    app.end()
+
+
+JOURNAL_RING = 16 * 1024
+PIECE = 8192  # the most a torn write can lose
+
+
+def _lines(n: int) -> bytes:
+    """What the driver's `record ID @N` records: lines "R<number>\\n", eight bytes each."""
+    return b"".join(b"R%06d\n" % (i % 1000000) for i in range(n // 8))
+
+
+def _replay_after_sigkill(app: Script, holder: HolderProcess) -> tuple[bytes, int, int]:
+    """SIGKILL the app, retrieve s1: its replay, then the bytes lost off its front (the ring
+    overflowed) and cut after them so that it starts cleanly."""
+    app.proc.kill()
+    app.proc.wait()
+    client = holder.client()
+    wait_for(lambda: state_of(client, "s1") == "draining", 10.0, "custody to end")
+    got = client.retrieve("s1")
+    os.close(got.fd)
+    assert isinstance(got.replay, bytes)
+    return got.replay, got.dropped_bytes, got.replay_trimmed
+
+
+def test_a_c_record_longer_than_the_ring_keeps_its_newest_bytes(
+    build: Build, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], scripts: list[Script],
+) -> None:
+    """tests/test_journal.py's case through the C writer: of a record longer than the ring
+    only its last `capacity` bytes can survive, and after the app's SIGKILL the holder's
+    replay is exactly those."""
+    holder = make_holder("--ring-bytes", str(JOURNAL_RING))
+    kid = pty_children(["sh", "-c", "exec sleep 600"])
+    app = script(scripts, build, holder.socket, timeout=5.0, pass_fds=(kid.master,))
+    _said(app.call(f"deposit s1 {kid.master} 1"), "ok", 1)
+    assert app.call("record s1 old")["fd"] == 0
+    assert app.call(f"record s1 @{JOURNAL_RING * 2 + 8}")["fd"] == 0
+    replay, dropped, trimmed = _replay_after_sigkill(app, holder)
+    newest = _lines(JOURNAL_RING * 2 + 8)[-JOURNAL_RING:]
+    assert dropped == len("old") + JOURNAL_RING + 8  # all but the ring's worth, counted
+    assert replay == newest[trimmed:] and trimmed <= 8  # from the first whole line
+
+
+def test_a_c_app_killed_in_the_middle_of_a_write_leaves_no_torn_bytes(
+    build: Build, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], scripts: list[Script],
+) -> None:
+    """tests/test_journal.py's case through the C writer: the app stored `writing`, copied
+    half a piece of X over the oldest bytes, and is SIGKILLed there (the driver stops
+    itself between `writing` and `total`). The replay holds no X: the bytes that write may
+    have overwritten are dropped, the rest is what was recorded, in order."""
+    holder = make_holder("--ring-bytes", str(JOURNAL_RING))
+    kid = pty_children(["sh", "-c", "exec sleep 600"])
+    app = script(scripts, build, holder.socket, timeout=5.0, pass_fds=(kid.master,))
+    _said(app.call(f"deposit s1 {kid.master} 1"), "ok", 1)
+    assert app.call("record s1 @32000")["fd"] == 0
+    app.call("stop-in-write")
+    app.send(f"record s1 x{PIECE}")
+    wait_for(lambda: _stopped(app.proc.pid), 10.0, "the driver to stop in its write")
+    replay, _, trimmed = _replay_after_sigkill(app, holder)
+    assert b"X" not in replay
+    assert replay == _lines(32000)[-(JOURNAL_RING - PIECE):][trimmed:] and trimmed <= 8
+
+
+def _stopped(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rpartition(")")[2].split()[0] == "T"

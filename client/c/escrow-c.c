@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -46,6 +47,10 @@ static const char usage[] =
     "                            (its journal records it) to stdout meanwhile\n"
     "  custody-retrieve ID [--journal] [--hold]\n"
     "                            retrieve one session into a custody; the facts on stderr\n"
+    "  custody-script            one custody, driven by the lines of stdin (deposit ID FD\n"
+    "                            [JOURNAL], release ID, update ID COLS ROWS, check, resume,\n"
+    "                            retrieve ID [JOURNAL], record ID TEXT|@N, read ID,\n"
+    "                            stop-in-write, nofile N|off); a JSON line on stdout each\n"
     "  repaint FD                make the program on the inherited master FD redraw\n"
     "  cmsg                      the control messages that carry fd 7, and fds 7 and 9,\n"
     "                            and the constants\n"
@@ -384,6 +389,106 @@ static int cmd_custody_app(const escrow_client *c, char **argv, int forks) {
     escrow_custody_close(&cu); /* custody ends: the holder drains from here on */
     close(fd);
     event("closed", ESCROW_OK, &err);
+    return 0;
+}
+
+/* ---- a custody driven line by line (escrow_custody.c, escrow_resume.c: PROTOCOL.md 10) ---- */
+
+#ifdef ESCROW_TEST_HOOKS
+extern int escrow__test_stop_in_write; /* escrow_journal.c's, in this driver's build only */
+#endif
+
+/* What one line did, and whether the custody is protected after it. */
+static void said(const char *cmd, escrow_code rc, const escrow_error *e,
+                 const escrow_custody *cu, long fd) {
+    printf("{\"cmd\": "), json_str(stdout, cmd);
+    printf(", \"code\": "), json_str(stdout, rc == ESCROW_OK ? "ok" : e->code_name);
+    printf(", \"id\": "), json_str(stdout, rc == ESCROW_OK ? "" : e->id);
+    printf(", \"protected\": %d, \"fd\": %ld}\n", escrow_custody_protected(cu), fd);
+    fflush(stdout);
+}
+
+/* `nofile N`: only N more fds may be opened from now (the lowest free ones); `off`: as
+ * before. */
+static int set_nofile(const char *arg, struct rlimit *saved) {
+    struct rlimit lim = *saved;
+    if (strcmp(arg, "off") != 0) {
+        int top = 2;
+        for (int fd = 3; fd < 1024; fd++)
+            if (fcntl(fd, F_GETFD) != -1) top = fd;
+        lim.rlim_cur = (rlim_t)(top + 1 + atoi(arg));
+    }
+    return setrlimit(RLIMIT_NOFILE, &lim);
+}
+
+static int cmd_custody_script(const escrow_client *c) {
+    escrow_custody cu;
+    escrow_error err;
+    struct rlimit saved;
+    int taken[64], n_taken = 0; /* retrieved masters: the driver's, closed at the end */
+    getrlimit(RLIMIT_NOFILE, &saved);
+    escrow_code rc = escrow_custody_open(c, &cu, &err);
+    if (rc != ESCROW_OK) return failed(rc, &err);
+    char line[4096];
+    while (fgets(line, sizeof line, stdin) != NULL) {
+        char *argv[4] = {NULL, NULL, NULL, NULL};
+        int argc = 0;
+        for (char *t = strtok(line, " \n"); t != NULL && argc < 4; t = strtok(NULL, " \n"))
+            argv[argc++] = t;
+        if (argc == 0) continue;
+        const char *cmd = argv[0];
+        long fd = -1;
+        memset(&err, 0, sizeof err);
+        rc = ESCROW_OK;
+        if (strcmp(cmd, "deposit") == 0 && argc >= 3) {
+            escrow_deposit_opts opts = {NULL, 0, 0, 0, NULL, 0, argc == 4 && atoi(argv[3])};
+            rc = escrow_deposit(&cu, argv[1], atoi(argv[2]), &opts, &err);
+            if (n_taken < 64) taken[n_taken++] = atoi(argv[2]); /* inherited: closed at the end */
+        } else if (strcmp(cmd, "release") == 0 && argc == 2) {
+            rc = escrow_custody_release(&cu, argv[1], &err);
+        } else if (strcmp(cmd, "update") == 0 && argc == 4) {
+            rc = escrow_custody_update(&cu, argv[1], atoll(argv[2]), atoll(argv[3]), NULL, 0,
+                                       &err);
+        } else if (strcmp(cmd, "check") == 0) {
+            rc = escrow_custody_check(&cu, &err);
+        } else if (strcmp(cmd, "resume") == 0) {
+            rc = escrow_custody_resume(&cu, &err);
+        } else if (strcmp(cmd, "retrieve") == 0 && argc >= 2 && n_taken < 64) {
+            escrow_retrieved r;
+            rc = escrow_custody_retrieve(&cu, argv[1], argc == 3 && atoi(argv[2]), &r, &err);
+            if (rc == ESCROW_OK) {
+                fd = taken[n_taken++] = r.fd;
+                escrow_retrieved_free(&r);
+            }
+        } else if (strcmp(cmd, "record") == 0 && argc == 3) {
+            /* TEXT; @N: N bytes of lines "R<number>\n", eight bytes each; xN: N of 'X' */
+            char kind = argv[2][0];
+            size_t n = kind == '@' || kind == 'x' ? (size_t)atol(argv[2] + 1) : strlen(argv[2]);
+            char *data = malloc(n + 9);
+            for (size_t i = 0; data != NULL && i < n; i += 8)
+                snprintf(data + i, 9, "R%06lu\n", (unsigned long)(i / 8 % 1000000));
+            if (data != NULL && kind == 'x') memset(data, 'X', n);
+            else if (data != NULL && kind != '@') memcpy(data, argv[2], n);
+            fd = data == NULL ? -1 : escrow_custody_record(&cu, argv[1], data, n);
+            free(data);
+        } else if (strcmp(cmd, "read") == 0 && argc == 2) {
+            char buf[4096];
+            fd = escrow_custody_read(&cu, argv[1], buf, sizeof buf);
+        } else if (strcmp(cmd, "stop-in-write") == 0) {
+#ifdef ESCROW_TEST_HOOKS
+            escrow__test_stop_in_write = 1;
+#endif
+        } else if (strcmp(cmd, "nofile") == 0 && argc == 2) {
+            fd = set_nofile(argv[1], &saved);
+        } else {
+            fprintf(stderr, "custody-script: what is %s?\n", cmd);
+            continue;
+        }
+        said(cmd, rc, &err, &cu, fd);
+    }
+    setrlimit(RLIMIT_NOFILE, &saved);
+    escrow_custody_close(&cu);
+    for (int i = 0; i < n_taken; i++) close(taken[i]);
     return 0;
 }
 
@@ -772,6 +877,7 @@ static int command(int argc, char **argv) {
     if (strcmp(cmd, "custody-retrieve") == 0 && nargs >= 1 &&
         parse_custody_flags(nargs - 1, args + 1, &flags) == 0)
         return cmd_custody_retrieve(&c, args[0], &flags);
+    if (strcmp(cmd, "custody-script") == 0 && nargs == 0) return cmd_custody_script(&c);
     if (strcmp(cmd, "repaint") == 0 && nargs == 1) return cmd_repaint(atoi(args[0]));
     if (strcmp(cmd, "retrieve") == 0 && (nargs == 1 || nargs == 2))
         return cmd_retrieve(&c, args[0], nargs == 2 ? (size_t)atoll(args[1]) : 0);

@@ -155,6 +155,13 @@ typedef struct escrow_custody {
     size_t n_kept, cap_kept;
     int lapsed;                         /* 1: the connection was lost with sessions held */
     int retry_ms;                       /* the back-off before the next resume */
+    /* A call whose request left whole and got no answer in time leaves the connection
+     * open (closing it would end custody of every session on it): the answer it is owed,
+     * and what for, read before anything else is sent (escrow_resume.c). */
+    int owed;                           /* 0: none; else what was asked (escrow_resume.c) */
+    char owed_id[ESCROW_NAME_MAX + 1];
+    int unkept;                         /* sessions held here that could not be kept at all
+                                           (out of memory): unprotected until close */
 } escrow_custody;
 
 typedef struct escrow_deposit_opts {
@@ -222,9 +229,14 @@ escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escr
 /* The holder gets its own copy of `fd` (SCM_RIGHTS); the app keeps reading its own, and the
  * custody keeps a duplicate (to give again after a holder restart). With opts->journal, a
  * journal granted is mapped here: read the session with escrow_custody_read from then on.
- * A deposit that got no answer may or may not be escrowed: ESCROW_UNRESPONSIVE (or
- * ESCROW_UNAVAILABLE), the duplicate kept, protection lapsed: escrow_custody_resume settles
- * it (a holder that has it resumes it, one that has not is given it again). */
+ * A deposit that got no answer may or may not be escrowed: the duplicate is kept and
+ * escrow_custody_protected is 0 until it is settled. ESCROW_UNRESPONSIVE: the deadline
+ * passed, the connection stays open (custody of the others with it), and the late answer
+ * settles it (escrow_custody_check when escrow_custody_fd turns readable, or the next
+ * call); ESCROW_UNAVAILABLE: the connection broke, protection lapsed, and
+ * escrow_custody_resume settles it (a holder that has it resumes it, one that has not is
+ * given it again). Any call on a custody owed an answer reads that answer first, within
+ * its own deadline; if it still does not come, nothing is sent: ESCROW_UNRESPONSIVE. */
 escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err);
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err);
@@ -252,7 +264,8 @@ void escrow_custody_close_in_child(escrow_custody *cu);
  * blocking mode the app set on the terminal) and record them into its journal, the read
  * marked in flight where the holder reads the mark: what read(2) returns (-1 and errno:
  * EAGAIN, EIO once the terminal hung up). A session without a journal is read only. -1 with
- * errno ENOENT: not held here. */
+ * errno ENOENT: not held here; EBADF: held here, but no duplicate of it could be kept (read
+ * the fd the retrieve gave). */
 long escrow_custody_read(escrow_custody *cu, const char *id, void *buf, size_t size);
 /* Record bytes the app read itself (one copy into shared memory; a crash between the read
  * and this call loses that read unmarked, which escrow_custody_read does not). Nothing
@@ -268,11 +281,16 @@ int escrow_custody_journaled(const escrow_custody *cu, const char *id);
  * inside a call). -1 while there is no connection: then call escrow_custody_resume after
  * escrow_custody_retry_ms. It changes with every resume: watch the new one. */
 int escrow_custody_fd(const escrow_custody *cu);
-/* After escrow_custody_fd turned readable: ESCROW_OK and nothing changed if the holder is
- * still there (nothing was pending); else the connection is closed, protection has lapsed
- * (escrow_custody_protected 0), and the code says why (ESCROW_UNAVAILABLE). */
+/* After escrow_custody_fd turned readable: ESCROW_OK if the holder is still there (nothing
+ * was pending, or the late answer to a call that timed out came and settled it: a deposit
+ * answered `deposited` is held). A late refusal of a deposit is its code, naming the
+ * session in err->id: it is kept, unprotected, and escrow_custody_resume deposits it again.
+ * Else the connection is closed, protection has lapsed (escrow_custody_protected 0), and
+ * the code says why (ESCROW_UNAVAILABLE). */
 escrow_code escrow_custody_check(escrow_custody *cu, escrow_error *err);
-/* 1: every session held here is escrowed right now; 0: protection has lapsed. */
+/* 1: every session held here is escrowed right now; 0: protection has lapsed, or is not
+ * known (a call that timed out is owed its answer), or a session is held here that the
+ * custody could not keep a duplicate of (then 0 until it is released). */
 int escrow_custody_protected(const escrow_custody *cu);
 /* One try, within the timeout: a new connection that holds every kept session again: one the
  * holder adopted is resumed (a deposit from this process of the same terminal), one it does

@@ -14,9 +14,11 @@
  *                     (section 12.1)
  *   escrow_journal.c  the journal writer: the file's checks, its counters, the `reading`
  *                     mark (section 10.6)
+ *   escrow_resume.c   the custody's connection kept in step (the answer a call that timed
+ *                     out is owed), and taking custody back when the holder goes away: check,
+ *                     resume, the back-off (sections 10.4 and 5)
  *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
- *                     session, and taking custody back when the holder goes away (sections
- *                     10.2, 10.4, 10.5)
+ *                     session, its journal (sections 10.2, 10.5, 10.6, 12.6)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
  *   escrow_retrieve_many.c
@@ -195,10 +197,13 @@ typedef struct escrow__journal {
 } escrow__journal;
 
 /* Check the file (section 10.6, "Check it before the first write") and map it, with
- * MADV_DONTFORK where there is one. Does not close `fd` (the caller does, at once). -1:
+ * MADV_DONTFORK where there is one; `info` is the message's Journal (0 < capacity <= the
+ * file's data size; NULL: the caller kept none, and the ring is the data). Does not close
+ * `fd` (the caller does, at once). -1:
  * not a journal this writer understands (nothing mapped; the session is escrowed all the
  * same, without a journal). */
-int escrow__journal_map(escrow__journal *j, int fd, int mark_reading);
+int escrow__journal_map(escrow__journal *j, int fd, const journal_info *info,
+                        int mark_reading);
 void escrow__journal_unmap(escrow__journal *j);
 /* Record bytes read from the master (pieces of at most 8192, `writing`, copy, `total`). */
 void escrow__journal_record(escrow__journal *j, const void *data, size_t len);
@@ -206,16 +211,59 @@ void escrow__journal_record(escrow__journal *j, const void *data, size_t len);
  * the mark, read straight into the ring once the master is readable). */
 long escrow__journal_read(escrow__journal *j, int master, void *buf, size_t size);
 
-/* ---- escrow_custody.c: what a custody keeps (sections 10.2, 10.4) ----------------------- */
+/* ---- escrow_resume.c: the custody's connection, and taking custody back (10.4) ---------- */
+
+/* One session held here (section 10.4): what is needed to give it to the next holder. */
+struct escrow_kept {
+    char id[ESCROW_NAME_MAX + 1];
+    int fd;                             /* our duplicate of the master; -1: none could be
+                                           made (held, unprotected until released) */
+    char *label;                        /* the deposit, as last updated: heap strings */
+    int64_t child_pid, cols, rows;
+    escrow_meta *meta;
+    size_t meta_count;
+    int journal_asked;                  /* deposits again ask for a journal */
+    escrow__journal journal;            /* base NULL: none */
+    int held;                           /* 1: held on the connection we have now; 0: not,
+                                           or not known yet (a deposit owed its answer) */
+};
+
+/* What a call on the custody's connection was (escrow_custody.owed). */
+enum { ESCROW__OWED_NONE, ESCROW__OWED_DEPOSIT, ESCROW__OWED_RELEASE, ESCROW__OWED_UPDATE };
+
+/* Before anything is sent on the custody's connection: the answer it is owed, read within
+ * `deadline` and acted on. ESCROW_OK: in step (nothing owed). ESCROW_UNRESPONSIVE: still
+ * owed (nothing may be sent). A broken connection is lost (lapsed), and its code returned;
+ * a late refusal of a deposit is its code (the session kept, not held: resume it). */
+escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_error *err);
+/* One request and its answer (`want`, or an error) on the custody's connection, in step
+ * first. No answer in time for a request that left whole: owed (`kind`, `id`), the
+ * connection kept. A broken one (a hang-up, a reset, a broken or unexpected frame): lost.
+ * `*doubt` 1: the request may have reached the holder and no answer was believed. */
+escrow_code escrow__custody_call(escrow_custody *cu, mp_out *o, int fd, const char *want,
+                                 int kind, const char *id, frame *f, int *doubt,
+                                 escrow_error *err);
+/* Kept session `k` as a deposit on the custody's connection (a new session, or a resume of
+ * one held for this process before); held once `deposited` came, its journal moved to the
+ * file that answer carried. `*doubt` as for escrow__custody_call. */
+escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, int *doubt,
+                                         escrow_error *err);
+/* The custody's connection failed in a call with no answer: close it, protection lapsed. */
+void escrow__custody_lost(escrow_custody *cu);
+
+/* ---- escrow_custody.c: what a custody keeps (sections 10.2, 12.6) ------------------------ */
 
 /* A session retrieved into custody `cu` (its `done` came): keep a duplicate of r->fd, the
  * session's deposit (from r->session: label, child_pid, size, meta) and, when `journal_fd`
  * >= 0, map that journal file (closing it) and set r->journal. ESCROW_SYSTEM if it cannot
- * keep it (then the session is held by us all the same, unprotected: lapsed). */
+ * keep it: the session is held by us all the same, and escrow_custody_protected stays 0
+ * until it is released (a resume cannot give it to the next holder). */
 escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
                                  escrow_error *err);
-/* The custody's connection failed in a call with no answer: close it, protection lapsed. */
-void escrow__custody_lost(escrow_custody *cu);
+/* The same, with the handoff's Journal checked against the file (section 10.6). */
+escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
+                                         int journal_fd, const journal_info *info,
+                                         escrow_error *err);
 
 /* ---- escrow_retrieve_many.c: one exchange (sections 12.2, 12.3, 12.6, 12.7) ------------- */
 

@@ -63,7 +63,8 @@ static uint64_t u64_at(const unsigned char *p) {
 
 /* ---- mapping, and the checks before the first write ("Check it before the first write") - */
 
-int escrow__journal_map(escrow__journal *j, int fd, int mark_reading) {
+int escrow__journal_map(escrow__journal *j, int fd, const journal_info *info,
+                        int mark_reading) {
     struct stat st;
     memset(j, 0, sizeof *j);
     if (fstat(fd, &st) != 0 || st.st_size < HEADER_BYTES) return -1;
@@ -81,9 +82,19 @@ int escrow__journal_map(escrow__journal *j, int fd, int mark_reading) {
         munmap(base, size);
         return -1;
     }
+    /* The message says how much of the data is the ring: 0 < capacity <= data size. A ring
+     * longer than the room for it would write past the file's end. */
+    uint64_t capacity = data_size;
+    if (info != NULL) {
+        if (!info->set || info->capacity <= 0 || (uint64_t)info->capacity > data_size) {
+            munmap(base, size);
+            return -1;
+        }
+        capacity = (uint64_t)info->capacity;
+    }
     j->base = base;
     j->size = size;
-    j->capacity = data_size; /* a journal file's ring is its whole data: data[t mod capacity] */
+    j->capacity = capacity; /* data[t mod capacity] */
     j->mark_reading = mark_reading;
 #ifdef MADV_DONTFORK
     /* A forked child holds no custody, so it must never write here (10.6): at fork the
@@ -100,6 +111,21 @@ void escrow__journal_unmap(escrow__journal *j) {
 
 /* ---- writing ("Writing") ---------------------------------------------------------------- */
 
+#ifdef ESCROW_TEST_HOOKS
+#include <signal.h>
+/* The test driver's alone (never in the library an app links): stop the process halfway
+ * through the next copy, between `writing` and `total`, for a test to SIGKILL it there. */
+int escrow__test_stop_in_write;
+
+static void stop_in_write(unsigned char *ring, size_t pos, uint64_t capacity,
+                          const unsigned char *data, size_t n) {
+    if (!escrow__test_stop_in_write) return;
+    for (size_t i = 0; i < n / 2; i++) ring[(pos + i) % capacity] = data[i];
+    FENCE();
+    raise(SIGSTOP);
+}
+#endif
+
 /* Steps 1 to 3 for one piece of at most 8192 bytes at the byte numbered `t`. */
 static void put_piece(escrow__journal *j, uint64_t t, const unsigned char *data, size_t n) {
     unsigned char *ring = j->base + HEADER_BYTES;
@@ -107,6 +133,9 @@ static void put_piece(escrow__journal *j, uint64_t t, const unsigned char *data,
     size_t first = n < j->capacity - pos ? n : (size_t)(j->capacity - pos);
     STORE64(WRITING(j), t + n);
     FENCE(); /* no byte of the copy moves above `writing` */
+#ifdef ESCROW_TEST_HOOKS
+    stop_in_write(ring, pos, j->capacity, data, n);
+#endif
     memcpy(ring + pos, data, first);
     if (first < n) memcpy(ring, data + first, n - first);
     FENCE(); /* nor below `total` */
