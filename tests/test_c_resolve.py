@@ -1,5 +1,6 @@
-"""The C client when an ack's answer goes wrong: a `done_many` no ack_many could have earned
-(client/c/escrow_codec.c; PROTOCOL.md 12.3 and 12.7).
+"""The C client when an ack's answer goes wrong: a `done_many` no ack_many could have earned,
+and a `done` that never came for a handoff the holder still waits on
+(client/c/escrow_codec.c, client/c/escrow.c; PROTOCOL.md 12.3, 12.7 and 10.6).
 
 A scripted fake holder (tests/fakeholder.py) plays the holder, so each answer is exact rather
 than a race. The driver is test_c_client's build: the sanitized one (ASan, UBSan, and its own
@@ -7,9 +8,14 @@ check at exit that no fd was left open) for every behaviour, the plain one where
 memory is measured, which the sanitizer's shadow memory would blur.
 
 - A `done_many` answers an `ack_many` of n sessions with n ids. One that claims millions
-  (a frame of a few MiB, every id one byte) is refused before the client allocates room for
+  (a frame of 1 MiB, every id one byte) is refused before the client allocates room for
   them (129 bytes an id): the reclaim treats it as the broken answer it is, asks `list` on a
   fresh connection, and the driver's peak memory stays near its frame's size.
+- A holder that restarted while our handoff was under way adopts it `handing_off` with our
+  handoff id and completes it only on an ack: the client, finding it so in `list`, acks again
+  on a fresh connection and is confirmed by its `done`; told `busy` (the first connection is
+  still winding it up) it asks again; told `ack_late` (the holder kept it) it gives its copy
+  back, unread.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from pathlib import Path
 import msgspec
 import pytest
 from fakeholder import OWNER, WELCOME, FakeHolder, Peer
-from test_c_client import Build, run_c
+from test_c_client import Build, expect_error, run_c
 from test_c_client import build as build  # noqa: F401  (a fixture)
 
 from escrow_client import fdpass, protocol
 
+SID = "s"
+HANDOFF_ID = "h-1"
 DEPOSITED_AT = 1.5
 
 
@@ -126,3 +134,65 @@ def test_a_done_many_naming_more_ids_than_acked_is_refused_unallocated(
             [str(build.plain), "--socket", holder.socket_path, "reclaim"])
     assert status == 0, err
     assert peak < PEAK_LIMIT_KIB, f"the driver peaked at {peak // 1024} MiB for a 1 MiB done_many"
+
+
+# --- our handoff still under way after a holder restart (12.3, 10.6) ---------------------------
+
+
+def _handed_over_then_gone(master: int) -> Callable[[Peer], None]:
+    """A connection that hands `master` over, reads the ack, and dies without `done`."""
+
+    def serve(peer: Peer) -> None:
+        request = peer.expect(protocol.Retrieve)
+        assert (request.id, request.keep) == (SID, False)
+        peer.send(protocol.Handoff(handoff_id=HANDOFF_ID, session=_info(SID, "draining"),
+                                   replay=b"R\r\n"), fd=master)
+        assert peer.receive() == protocol.Ack(id=SID, handoff_id=HANDOFF_ID)
+
+    return serve
+
+
+def _still_handing_off(peer: Peer) -> None:
+    """The restarted holder's list: the session adopted, our handoff waiting for its ack."""
+    peer.expect(protocol.List)
+    peer.send(protocol.Sessions(sessions=[_info(SID, "handing_off", HANDOFF_ID)]))
+
+
+def _answer_the_ack(answer: protocol.Message) -> Callable[[Peer], None]:
+    def serve(peer: Peer) -> None:
+        assert peer.receive() == protocol.Ack(id=SID, handoff_id=HANDOFF_ID), (
+            "the ack again, on a fresh connection")
+        peer.send(answer)
+
+    return serve
+
+
+DONE = protocol.Done(id=SID)
+BUSY = protocol.Error(code="busy", message="still under way on its own connection", id=SID)
+LATE = protocol.Error(code="ack_late", message="the holder kept the session", id=SID)
+
+
+@pytest.mark.parametrize(("answers", "code"), [
+    ([DONE], None),  # the adopted handoff completes on our ack: ours, confirmed
+    ([BUSY, DONE], None),  # the first connection still winding it up: asked again
+    ([LATE], "ack_late"),  # the holder kept it and drains it: our copy given back
+], ids=["done", "busy-then-done", "ack_late"])
+def test_our_handoff_still_under_way_is_acked_again_on_a_fresh_connection(
+    build: Build, socket_dir: Path, masters: list[int], answers: list[protocol.Message],
+    code: str | None,
+) -> None:
+    script: list[Callable[[Peer], None]] = [_handed_over_then_gone(masters[0])]
+    for answer in answers:
+        script += [_still_handing_off, _answer_the_ack(answer)]
+    with FakeHolder(socket_dir, script) as holder:
+        run = run_c(build, holder.socket_path, "retrieve", SID)
+    acks = [message for connection in holder.received for message in connection
+            if isinstance(message, protocol.Ack)]
+    assert len(acks) == 1 + len(answers), "acked on the first connection, then once a list"
+    if code is not None:
+        expect_error(run, code, SID)
+        assert run.out == b"", "a copy given back was never read"
+        return
+    assert run.status == 0, run.err
+    assert run.lines()[0]["confirmed"] is True
+    assert run.out == b"R\r\n"
