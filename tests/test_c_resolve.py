@@ -15,7 +15,7 @@ memory is measured, which the sanitizer's shadow memory would blur.
   handoff id and completes it only on an ack: the client, finding it so in `list`, acks again
   on a fresh connection and is confirmed by its `done`; told `busy` (the first connection is
   still winding it up) it asks again; told `ack_late` (the holder kept it) it gives its copy
-  back, unread.
+  back, unread. A reclaim (escrow_reclaim_all) resolves its handoffs the same way.
 """
 
 from __future__ import annotations
@@ -196,3 +196,24 @@ def test_our_handoff_still_under_way_is_acked_again_on_a_fresh_connection(
     assert run.status == 0, run.err
     assert run.lines()[0]["confirmed"] is True
     assert run.out == b"R\r\n"
+
+
+def test_a_reclaim_whose_done_never_came_acks_its_handoff_again(
+    build: Build, socket_dir: Path, masters: list[int]
+) -> None:
+    """escrow_reclaim_all resolves as escrow_retrieve does: the holder died after our ack,
+    its successor adopted the handoff and completes it on the ack sent again."""
+
+    def first(peer: Peer) -> None:
+        peer.expect(protocol.Status)
+        peer.send(protocol.HolderStatus(pid=1, version="fake", started_at=0.0, socket="x"))
+        peer.expect(protocol.List)
+        peer.send(protocol.Sessions(sessions=[_info(SID, "draining")]))
+        _handed_over_then_gone(masters[0])(peer)
+
+    with FakeHolder(socket_dir, [first, _still_handing_off, _answer_the_ack(DONE)]) as holder:
+        run = run_c(build, holder.socket_path, "reclaim")
+    assert run.status == 0, run.err
+    report = next(line["report"] for line in run.lines() if "report" in line)
+    assert report["failed"] == {}
+    assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [(SID, True)]
