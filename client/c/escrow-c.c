@@ -610,7 +610,7 @@ static int cmd_decode(const char *hex) {
     } else if (r == 0 && strcmp(f.type, "done_many") == 0) {
         char (*ids)[ESCROW_NAME_MAX + 1] = NULL;
         size_t count = 0;
-        if ((r = escrow__decode_done_many(&f, &ids, &count)) == 0) {
+        if ((r = escrow__decode_done_many(&f, 0, &ids, &count)) == 0) {
             printf("{\"type\": \"done_many\", \"ids\": [");
             for (size_t i = 0; i < count; i++)
                 fputs(i > 0 ? ", " : "", stdout), json_str(stdout, ids[i]);

@@ -153,8 +153,34 @@ static void give_back(escrow_retrieved *r) {
     escrow_retrieved_free(r);
 }
 
+/* Ack `r` again on a fresh connection (section 10.4): a holder that restarted and adopted
+ * our handoff completes it there. 1 on its `done`; -1 on ack_late, the holder's words in
+ * `err` (it kept the session and drains it); 0 on anything else, to ask again (busy: our
+ * first connection's handoff is still being wound up; or no answer). */
+static int ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
+                     escrow_error *err) {
+    conn cn;
+    mp_out o = {0};
+    frame f;
+    escrow_error e;
+    if (escrow__connect_greet(c, &cn, deadline, NULL) != ESCROW_OK) return 0;
+    escrow_code rc = escrow__encode_ack(&o, r->session.id, r->handoff_id, 0, NULL);
+    if (rc == ESCROW_OK) rc = escrow__call(&cn, &o, -1, "done", deadline, &f, &e);
+    free(o.data);
+    escrow__conn_close(&cn);
+    if (rc == ESCROW_ACK_LATE && err != NULL) *err = e;
+    if (rc != ESCROW_OK) return rc == ESCROW_ACK_LATE ? -1 : 0;
+    char id[ESCROW_NAME_MAX + 1];
+    int ours = escrow__decode_id(&f, id) == 0 && strcmp(id, r->session.id) == 0;
+    escrow__frame_free(&f);
+    return ours;
+}
+
 /* `done` never came: ask on a fresh connection who owns the fd (section 12.3). We still hold
- * our copy, unread. (escrow_retrieve_many.c asks it too, for a retrieve_many.) */
+ * our copy, unread. (escrow_retrieve_many.c asks it too, for a retrieve_many.) Our own handoff
+ * still `handing_off` is acked again on a fresh connection, which completes it where a
+ * restarted holder adopted it (section 10.4); until then, and while the holder answers busy,
+ * we ask again within the timeout. */
 escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err) {
     double deadline = escrow__now() + c->timeout;
     const char *id = r->session.id;
@@ -194,6 +220,15 @@ escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_
             return verdict;
         }
         if (!again) return ESCROW_OK;
+        int acked = ack_again(c, r, deadline, err);
+        if (acked > 0) {
+            r->confirmed = 1;
+            return ESCROW_OK;
+        }
+        if (acked < 0) { /* ack_late: the holder drains it again; we must not read too */
+            give_back(r);
+            return ESCROW_ACK_LATE;
+        }
         if (escrow__ms_left(deadline) <= 20)
             return ESCROW_OK; /* our ack is queued there, if anything */
         poll(NULL, 0, 20);

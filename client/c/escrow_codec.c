@@ -801,9 +801,12 @@ int escrow__decode_handoff(const frame *f, escrow_retrieved *out, journal_info *
     return need == 0 ? 0 : -1;
 }
 
-/* done_many: {ids}, the sessions an ack_many acked, as an array the caller frees (whatever
- * the result). */
-int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1], size_t *count) {
+/* done_many (section 12.7): {ids}, the sessions an ack_many acked, as an array the caller
+ * frees (whatever the result). A count other than `expected` (the ack_many's entries; 0: any
+ * count an ack_many may have) is refused before anything is allocated: the bytes of a frame
+ * bound its ids only to ~129 times its size, which a holder must not make us allocate. */
+int escrow__decode_done_many(const frame *f, size_t expected,
+                             char (**ids)[ESCROW_NAME_MAX + 1], size_t *count) {
     mp_in in = {f->body, f->body + f->len};
     size_t n;
     int have = 0;
@@ -822,8 +825,9 @@ int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1], 
         *ids = NULL;
         *count = 0;
         have = 1;
-        /* Every id takes at least one byte: a bound before the allocation. */
-        if (rd_array(&in, &m) != 0 || m > (size_t)(in.end - in.p)) return -1;
+        if (rd_array(&in, &m) != 0 || m > ESCROW__BATCH_MAX || (expected != 0 && m != expected))
+            return -1;
+        if (m > (size_t)(in.end - in.p)) return -1; /* every id takes at least one byte */
         if ((*ids = calloc(m != 0 ? m : 1, sizeof **ids)) == NULL) return -1;
         for (; *count < m; (*count)++)
             if (rd_exact(&in, (*ids)[*count], sizeof **ids) != 0) return -1;

@@ -157,8 +157,10 @@ escrow_code escrow__encode_retrieve_many(mp_out *o, const char *const *ids, size
 escrow_code escrow__encode_ack_many(mp_out *o, const char *const *ids,
                                     const char *const *handoff_ids, size_t count, int keep,
                                     escrow_error *err);
-int escrow__decode_done_many(const frame *f, char (**ids)[ESCROW_NAME_MAX + 1],
-                             size_t *count);
+#define ESCROW__BATCH_MAX 4096 /* ids in one retrieve_many, ack_many or done_many */
+/* A count other than `expected` (0: any from 0 to ESCROW__BATCH_MAX) is refused unallocated. */
+int escrow__decode_done_many(const frame *f, size_t expected,
+                             char (**ids)[ESCROW_NAME_MAX + 1], size_t *count);
 
 /* ---- escrow_frames.c: frames, and the fds that ride on them ----------------------------- */
 

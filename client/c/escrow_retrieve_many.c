@@ -193,7 +193,7 @@ static escrow_code receive_done(conn *c, taken *got, size_t n_got, double deadli
     } else if (strcmp(f.type, "done_many") == 0) {
         char (*ids)[ESCROW_NAME_MAX + 1] = NULL;
         size_t count = 0;
-        if (escrow__decode_done_many(&f, &ids, &count) == 0 && count == n_got)
+        if (escrow__decode_done_many(&f, n_got, &ids, &count) == 0 && count == n_got)
             for (size_t i = 0; i < n_got; i++)
                 for (size_t j = 0; j < count; j++)
                     if (strcmp(ids[j], got[i].r.session.id) == 0) {
