@@ -488,3 +488,9 @@ escrow_code escrow_custody_resume(escrow_custody *cu, escrow_error *err) {
     cu->retry_ms = next < RETRY_MAX_MS ? next : RETRY_MAX_MS;
     return rc;
 }
+
+/* ---- whether a session is kept (PROTOCOL.md 10.2, 10.4) ----------------------------------- */
+
+int escrow__custody_keeps(const escrow_custody *cu, const char *id) {
+    return find(cu, id) != NULL;
+}

@@ -212,5 +212,8 @@ escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int jo
                                  escrow_error *err);
 /* The custody's connection failed in a call with no answer: close it, protection lapsed. */
 void escrow__custody_lost(escrow_custody *cu);
+/* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
+ * custody holds it; 0: it does not (never deposited, refused, released). */
+int escrow__custody_keeps(const escrow_custody *cu, const char *id);
 
 #endif
