@@ -13,7 +13,11 @@ After each, what every run showed of a session must be the shell's numbered line
 once, in order: from L1 wherever the journal reached back to the first line.
 
 Each scenario is a function of an `Apps` (how to start the app under test) and a
-`Holders` (how to start a holder); a test module per app calls them.
+`Holders` (how to start a holder), named as a test and taking fixtures: a test module per
+app imports the six (`from app_scenarios import *`) and defines the `apps` fixture that
+starts its app, so that each is collected there under its own name
+(tests/test_c_app.py::test_a_crashed_app_..., the same in test_py_app.py and
+test_node_app.py) and every app goes through the same steps.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ from test_survive import kill_serving_holder
 
 from conftest import OWNER, HolderProcess, fd_count, start_holder, wait_for
 from escrow_client import paths
+
+# What an app's module takes with `from app_scenarios import *`: the six scenarios.
+__all__ = [
+    "test_a_crashed_app_reclaims_every_session_from_its_first_line",
+    "test_a_second_crash_right_after_the_reclaim_loses_nothing",
+    "test_the_holders_crash_under_the_app_is_taken_back_by_the_app",
+    "test_after_a_total_loss_the_app_deposits_again",
+    "test_a_ring_that_overflowed_replays_from_a_clean_start",
+    "test_a_second_instance_takes_nothing_from_the_first",
+]
 
 IDS = ("s1", "s2")
 # A relaunch reclaims within its 8 s deadline (custody_held retried for a 1 s grace);
@@ -251,31 +265,34 @@ def relaunch_from_l1(apps: Apps, holder: HolderProcess, out: Path, before: Run) 
 # --- the scenarios ----------------------------------------------------------------------------
 
 
-def crash_and_reclaim(apps: Apps, holders: Holders, out: Path) -> None:
-    holder = holders(keeper=True)
-    one = first_run(apps, holder, out)
+def test_a_crashed_app_reclaims_every_session_from_its_first_line(
+        apps: Apps, make_holder: Holders, tmp_path: Path) -> None:
+    holder = make_holder(keeper=True)
+    one = first_run(apps, holder, tmp_path)
     one.crash()
-    two = relaunch_from_l1(apps, holder, out, one)
+    two = relaunch_from_l1(apps, holder, tmp_path, one)
     two.terminate()
 
 
-def second_crash_after_the_reclaim(apps: Apps, holders: Holders, out: Path) -> None:
-    holder = holders(keeper=True)
-    one = first_run(apps, holder, out)
+def test_a_second_crash_right_after_the_reclaim_loses_nothing(
+        apps: Apps, make_holder: Holders, tmp_path: Path) -> None:
+    holder = make_holder(keeper=True)
+    one = first_run(apps, holder, tmp_path)
     one.crash()
-    two = apps.launch(holder, out)
+    two = apps.launch(holder, tmp_path)
     wait_for(lambda: any(e["event"] == "reclaimed" for e in two.events()), REACT,
              "the second run's reclaim")
     two.crash()  # as soon as it said so: whatever it showed since, the journal has
-    three = relaunch_from_l1(apps, holder, out, one)
+    three = relaunch_from_l1(apps, holder, tmp_path, one)
     for sid in IDS:
         assert len(numbered_lines(three.shown(sid))) >= len(numbered_lines(two.shown(sid)))
     three.terminate()
 
 
-def holder_crash_under_the_app(apps: Apps, holders: Holders, out: Path) -> None:
-    holder = holders(keeper=True)
-    one = first_run(apps, holder, out)
+def test_the_holders_crash_under_the_app_is_taken_back_by_the_app(
+        apps: Apps, make_holder: Holders, tmp_path: Path) -> None:
+    holder = make_holder(keeper=True)
+    one = first_run(apps, holder, tmp_path)
     fds = one.fds()
     kill_serving_holder(holder)
     one.wait_event("lapsed")
@@ -289,17 +306,18 @@ def holder_crash_under_the_app(apps: Apps, holders: Holders, out: Path) -> None:
     # masters, as before.
     wait_for(lambda: one.fds() == fds, REACT, f"the app's fds back to {fds} ({one.fds()})")
     one.crash()
-    relaunch_from_l1(apps, holder, out, one).terminate()
+    relaunch_from_l1(apps, holder, tmp_path, one).terminate()
 
 
-def total_loss(apps: Apps, socket_dir: Path, out: Path) -> None:
+def test_after_a_total_loss_the_app_deposits_again(
+        apps: Apps, socket_dir: Path, tmp_path: Path) -> None:
     """Keeper and holder SIGKILLed: every fd they stored is gone; a new holder on the
     same socket gets the sessions deposited again from the app's duplicates."""
     directory = socket_dir / "loss"
     first = start_holder(directory, keeper=True)
     second: HolderProcess | None = None
     try:
-        one = first_run(apps, first, out)
+        one = first_run(apps, first, tmp_path)
         fds = one.fds()
         record = paths.read_pidfile(first.socket)
         assert record is not None
@@ -317,7 +335,7 @@ def total_loss(apps: Apps, socket_dir: Path, out: Path) -> None:
         wait_for(lambda: one.fds() == fds, REACT, f"the app's fds back to {fds} ({one.fds()})")
         shown_before = {sid: numbered_lines(one.shown(sid)) for sid in IDS}
         one.crash()
-        two = apps.launch(second, out)
+        two = apps.launch(second, tmp_path)
         report = reclaimed(two)
         assert report["restarts"] is None or report["adopted"] == 0, report
         for sid in IDS:
@@ -337,17 +355,18 @@ def total_loss(apps: Apps, socket_dir: Path, out: Path) -> None:
         first.stop()
 
 
-def ring_overflowed(apps: Apps, holders: Holders, out: Path) -> None:
+def test_a_ring_that_overflowed_replays_from_a_clean_start(
+        apps: Apps, make_holder: Holders, tmp_path: Path) -> None:
     """The session printed more than the ring holds before the crash: the replay lost its
     oldest lines, is cut to a line's start, and runs gap-free from there."""
-    holder = holders("--ring-bytes", str(RING_BYTES), keeper=True)
+    holder = make_holder("--ring-bytes", str(RING_BYTES), keeper=True)
     env = {"TERM_APP_CMD": BURST}
-    one = apps.launch(holder, out, new=["s1"], env=env)
+    one = apps.launch(holder, tmp_path, new=["s1"], env=env)
     one.wait_event("created")
     one.wait_lines("s1", 6100)
     assert len(one.shown("s1")) > 2 * RING_BYTES
     one.crash()
-    two = apps.launch(holder, out, new=["s1"], env=env)
+    two = apps.launch(holder, tmp_path, new=["s1"], env=env)
     reclaimed(two, ["s1"])
     numbers = two.wait_lines("s1", 100)
     # numbered_lines would have failed on a first line cut in the middle: a clean start.
@@ -356,12 +375,13 @@ def ring_overflowed(apps: Apps, holders: Holders, out: Path) -> None:
     two.terminate()
 
 
-def launch_race(apps: Apps, holders: Holders, out: Path) -> None:
+def test_a_second_instance_takes_nothing_from_the_first(
+        apps: Apps, make_holder: Holders, tmp_path: Path) -> None:
     """A second instance launched while the first holds the sessions takes nothing: its
     report says custody_held for each (after the grace), and the first reads on."""
-    holder = holders(keeper=True)
-    a = first_run(apps, holder, out / "a")
-    b = apps.launch(holder, out / "b", new=[])
+    holder = make_holder(keeper=True)
+    a = first_run(apps, holder, tmp_path / "a")
+    b = apps.launch(holder, tmp_path / "b", new=[])
     event = b.wait_event("reclaimed")
     refused = {sid: "custody_held" for sid in IDS}
     assert event["retrieved"] == [] and event["failed"] == refused, event

@@ -17,19 +17,23 @@ import json
 import os
 import select
 import signal
+import struct
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fakeholder import FakeHolder, Peer
 from hostile import COUNTER, assert_gap_free_from_1, read_more_lines
 from test_c_client import REQUEST_VECTORS, VECTORS, encode_args
 from test_docs import block_with, commands
 from test_survive import kill_serving_holder
 
 from conftest import OWNER, HolderProcess, PtyChild, fd_count, require_program, wait_for
+from escrow_client import protocol
 
 PACKAGE = Path(__file__).resolve().parent.parent / "client" / "node"
 
@@ -531,12 +535,15 @@ def test_every_promise_settles_while_the_holder_is_stopped_and_once_it_is_gone(
     finally:
         os.kill(holder.pid, signal.SIGCONT)
     assert len(stopped["stopped"]) == len(CALLS), stopped
-    # A fresh connection's calls time out; a custody's first call lapses it, and what
-    # follows is refused as a lapsed custody's (retrieve and reclaim into custody say
-    # 'config', the others 'unavailable').
+    # A fresh connection's calls time out; a custody's first call, the deposit, lapses it
+    # with no answer (kept: 'indeterminate'), and what follows is refused as a lapsed
+    # custody's (retrieve and reclaim into custody say 'config', the others 'unavailable'
+    # or, on a fresh connection, 'unresponsive').
     for name in ("status", "welcome", "list", "release", "update", "retrieve", "handOff"):
         assert stopped["stopped"][name] == "unresponsive", stopped
-    assert set(stopped["stopped"].values()) <= {"unresponsive", "unavailable", "config"}, stopped
+    assert stopped["stopped"]["deposit"] == "indeterminate", stopped
+    assert set(stopped["stopped"].values()) <= {"unresponsive", "unavailable", "config",
+                                                "indeterminate"}, stopped
     holder.proc.kill()
     holder.proc.wait()
     app.send()
@@ -586,3 +593,204 @@ def test_a_read_due_during_a_custody_call_is_done_once_the_call_is_over(
         os.kill(holder.pid, signal.SIGCONT)
     assert app.next("the update") == {"updated": True}
     assert "DUE" in app.next("the line read after the call")["read"]
+
+
+# --- what a custody holds, and whether it is protected, are the C custody's answers -------------
+
+
+def _fake_holder(tmp_path: Path, scripts: list[Callable[[Peer], None]]) -> FakeHolder:
+    return FakeHolder(tmp_path, scripts, concurrent=True, timeout=15)
+
+
+def _hold(peer: Peer) -> None:
+    """A holder that takes the deposit and holds it until the custody ends."""
+    peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+    peer.until_eof()
+
+
+def _deposits(connection: list[protocol.Request]) -> list[str]:
+    return [m.id for m in connection if isinstance(m, protocol.Deposit)]
+
+
+def test_a_resume_the_new_holder_refuses_is_not_protected_and_is_tried_again(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    gone = threading.Event()
+
+    def first(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        assert gone.wait(15)  # then the holder goes away: the connection closes
+
+    def refuse_then_hold(peer: Peer) -> None:
+        sid = peer.expect(protocol.Deposit).id
+        peer.send(protocol.Error(code="exists", message="escrowed, not for you", id=sid))
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        peer.until_eof()
+
+    with _fake_holder(tmp_path, [first, refuse_then_hold]) as fake:
+        app = node_apps(package, """
+          const custody = await client.openCustody();
+          custody.on('lapsed', () => say({event: 'lapsed', protected: custody.protected}));
+          custody.on('protected', () => say({event: 'protected', protected: custody.protected}));
+          const t = escrow._pty.open();
+          await custody.deposit('tab', t.master, {});
+          say({deposited: custody.protected});
+          await next();
+          await custody.close();
+        """, fake.socket_path)
+        assert app.next("the deposit") == {"deposited": True}
+        gone.set()
+        assert app.next("the lapse") == {"event": "lapsed", "protected": False}
+        # 'protected' only once the holder holds it: after the refusal, a second try.
+        assert app.next("protected") == {"event": "protected", "protected": True}
+        assert _deposits(fake.received[1]) == ["tab", "tab"], fake.received
+        app.send()
+        assert app.wait() == 0
+
+
+def test_a_deposit_with_no_answer_to_believe_is_held_read_and_settled_by_the_resume(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    def misanswer(peer: Peer) -> None:
+        sid = peer.expect(protocol.Deposit).id
+        peer.send(protocol.Deposited(id="not-" + sid))  # another id: not the protocol
+        peer.until_eof()
+
+    with _fake_holder(tmp_path, [misanswer, _hold]) as fake:
+        app = node_apps(package, """
+          const custody = await client.openCustody();
+          const t = escrow._pty.open();
+          const settled = new Promise((r) => custody.once('protected', r));
+          try { await custody.deposit('tab', t.master, {}); say({deposited: true}); }
+          catch (e) { say({code: e.code, cause: e.cause && e.cause.code, id: e.id,
+                           held: custody.fd('tab') === t.master, protected: custody.protected}); }
+          await settled;
+          custody.on('data', (id, b) => { if (b.includes('hello')) say({data: id}); });
+          custody.startReading('tab');
+          require('node:fs').writeSync(t.slave, 'hello\\n');
+          await next();
+          await custody.close();
+        """, fake.socket_path)
+        assert app.next("the deposit's answer") == {
+            "code": "indeterminate", "cause": "protocol", "id": "tab", "held": True,
+            "protected": False}
+        assert app.next("its output, read once the resume settled it") == {"data": "tab"}
+        assert _deposits(fake.received[1]) == ["tab"]
+        app.send()
+        assert app.wait() == 0
+
+
+def test_a_deposit_refused_while_custody_lapsed_holds_nothing(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    gone = threading.Event()
+
+    def first(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        assert gone.wait(15)
+
+    with _fake_holder(tmp_path, [first, _hold]) as fake:
+        app = node_apps(package, """
+          const custody = await client.openCustody();
+          const a = escrow._pty.open(), b = escrow._pty.open();
+          await custody.deposit('a', a.master, {});
+          const lapsed = new Promise((r) => custody.once('lapsed', r));
+          say({deposited: 'a'});
+          await lapsed;
+          const settled = new Promise((r) => custody.once('protected', r));
+          let code = null, reading = null;
+          try { await custody.deposit('b', b.master, {}); } catch (e) { code = e.code; }
+          try { custody.startReading('b'); } catch (e) { reading = e.code; }
+          say({code, fd: custody.fd('b'), reading});
+          await settled;
+          say({protected: custody.protected, fd: custody.fd('b')});
+          await next();
+          await custody.close();
+        """, fake.socket_path)
+        assert app.next("a's deposit") == {"deposited": "a"}
+        gone.set()
+        assert app.next("b's deposit") == {"code": "unavailable", "fd": -1, "reading": "unknown"}
+        assert app.next("protected") == {"protected": True, "fd": -1}
+        assert _deposits(fake.received[1]) == ["a"], fake.received  # b was never sent
+        app.send()
+        assert app.wait() == 0
+
+
+def _journal_file() -> int:
+    """A journal file of the layout the C writer maps (client/journal.py): a 4096-byte ring."""
+    fd = os.memfd_create("journal")
+    header = b"ESCROWJL" + struct.pack("<I", 2) + bytes(4) + struct.pack("<QQ", 4096, 4096)
+    os.write(fd, header.ljust(8192, b"\0"))
+    return fd
+
+
+def test_journaled_is_what_the_c_custody_maps_after_a_resume_without_a_journal(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    gone = threading.Event()
+
+    def journal(peer: Peer) -> None:
+        sid = peer.expect(protocol.Deposit).id
+        fd = _journal_file()
+        try:
+            ring = protocol.Journal(capacity=4096, total=0, position=0)
+            peer.send(protocol.Deposited(id=sid, journal=ring), fd)
+        finally:
+            os.close(fd)
+        assert gone.wait(15)
+
+    def without(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))  # no journal
+        peer.until_eof()
+
+    with _fake_holder(tmp_path, [journal, without]) as fake:
+        app = node_apps(package, """
+          const custody = await client.openCustody();
+          const a = escrow._pty.open();
+          await custody.deposit('a', a.master, {journal: true});
+          const settled = new Promise((r) => custody.once('protected', r));
+          say({journaled: custody.journaled('a')});
+          await settled;
+          say({journaled: custody.journaled('a')});
+          await next();
+          await custody.close();
+        """, fake.socket_path)
+        assert app.next("the deposit") == {"journaled": True}
+        gone.set()
+        assert app.next("the resume") == {"journaled": False}
+        app.send()
+        assert app.wait() == 0
+
+
+def test_a_custody_is_refused_in_a_worker_which_ends_with_the_process_alive(
+        package: Path, holder: HolderProcess) -> None:
+    worker = (f"const escrow = require({str(package)!r});"
+              "const { parentPort } = require('node:worker_threads');"
+              f"new escrow.EscrowClient({{owner: {OWNER!r}, socket: {holder.socket!r}}})"
+              ".openCustody().then(async (custody) => {"
+              "  const t = escrow._pty.open();"
+              "  await custody.deposit('w', t.master, {});"
+              "  custody.on('data', () => {}); custody.startReading('w');"
+              "  parentPort.postMessage({opened: true});"
+              "}, (e) => parentPort.postMessage({refused: e.code}));")
+    line = run_node(package, holder.socket, f"""
+      const {{ Worker }} = require('node:worker_threads');
+      const w = new Worker({json.dumps(worker)}, {{eval: true}});
+      const said = await new Promise((r) => w.once('message', r));
+      await w.terminate();
+      await (await client.openCustody()).close();  // the main thread's is fine
+      say(said);
+    """)
+    assert line == {"refused": "config"}
+    assert state_of(holder, "w") is None
+
+
+def test_a_second_close_is_the_first_ones_promise_and_ends_custody(
+        package: Path, holder: HolderProcess) -> None:
+    line = run_node(package, holder.socket, """
+      const custody = await client.openCustody();
+      const t = escrow._pty.open();
+      await custody.deposit('tab', t.master, {});
+      const first = custody.close(), second = custody.close();
+      await second;
+      const state = (await client.list()).find((s) => s.id === 'tab').state;
+      await first;
+      say({same: first === second, state});
+    """)
+    assert line == {"same": True, "state": "draining"}

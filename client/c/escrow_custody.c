@@ -374,3 +374,9 @@ escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int jo
                                  escrow_error *err) {
     return escrow__custody_keep_journal(cu, r, journal_fd, NULL, err);
 }
+
+/* ---- whether a session is kept (PROTOCOL.md 10.2, 10.4) ----------------------------------- */
+
+int escrow__custody_keeps(const escrow_custody *cu, const char *id) {
+    return find(cu, id) != NULL;
+}

@@ -266,6 +266,9 @@ escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int jo
 escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
                                          int journal_fd, const journal_info *info,
                                          escrow_error *err);
+/* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
+ * custody holds it; 0: it does not (never deposited, refused, released). */
+int escrow__custody_keeps(const escrow_custody *cu, const char *id);
 
 /* ---- escrow_retrieve_many.c: one exchange (sections 12.2, 12.3, 12.6, 12.7) ------------- */
 

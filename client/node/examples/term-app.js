@@ -93,8 +93,12 @@ async function main() {
   const retrieved = new Set(report.retrieved.map((r) => r.id));
   for (const id of args.new.filter((n) => !retrieved.has(n))) {
     const term = newTerminal(process.env.TERM_APP_CMD || COUNTER);
-    await custody.deposit(id, term.master, { childPid: term.pid, cols: 80, rows: 24,
-      journal: true });
+    try {
+      await custody.deposit(id, term.master, { childPid: term.pid, cols: 80, rows: 24,
+        journal: true });
+    } catch (e) {
+      if (e.code !== 'indeterminate') throw e; // held here all the same: a resume settles it
+    }
     log({ event: 'created', id, child_pid: term.pid, journal: custody.journaled(id) });
     screen(id);
     custody.startReading(id);

@@ -116,6 +116,21 @@ static void closed(escrow__node_custody *c) {
     c->self = NULL;
 }
 
+/* A deposit that failed but is kept (no answer it could believe: whether the holder has it
+ * is not known): 'indeterminate', as the Python client's DepositIndeterminate, with what the
+ * C client said as `cause`. The next resume settles it; release gives it up. */
+static napi_value indeterminate(napi_env env, escrow__node_op *op) {
+    napi_value cause = escrow__node_error(env, &op->err), error;
+    escrow_error e = op->err;
+    snprintf(e.code_name, sizeof e.code_name, "indeterminate");
+    snprintf(e.message, sizeof e.message,
+             "the deposit of %.128s got no answer to believe: the custody keeps it and a "
+             "resume settles it (%.200s)", op->id, op->err.message);
+    error = escrow__node_error(env, &e);
+    napi_set_named_property(env, error, "cause", cause);
+    return error;
+}
+
 void escrow__node_custody_complete(napi_env env, escrow__node_op *op) {
     escrow__node_custody *c = op->custody;
     napi_handle_scope scope;
@@ -128,32 +143,40 @@ void escrow__node_custody_complete(napi_env env, escrow__node_op *op) {
         c->opened = ok;
         if (ok) napi_get_reference_value(env, c->self, &value);
         break;
+    /* A session is here exactly when the C custody keeps it, whatever the call answered: a
+     * deposit with no answer is kept (a resume settles it), one refused before it was sent
+     * is not, a retrieve whose duplicate could not be kept is the app's but not held. */
     case OP_DEPOSIT:
-        /* Unanswered, it may be escrowed: the C client keeps it and a resume settles it. */
-        if (ok || op->rc == ESCROW_UNRESPONSIVE || op->rc == ESCROW_UNAVAILABLE)
+        if (escrow__custody_keeps(&c->cu, op->id)) {
             escrow__node_session_add(c, op->id, op->fd);
-        break;
-    case OP_CUSTODY_RELEASE:
-        if (ok) escrow__node_session_remove(c, op->id);
+            if (!ok) value = indeterminate(env, op);
+        }
         break;
     case OP_CUSTODY_RETRIEVE:
-        if (ok) escrow__node_session_add(c, op->id, op->out.retrieved.fd);
+        if (ok && escrow__custody_keeps(&c->cu, op->id))
+            escrow__node_session_add(c, op->id, op->out.retrieved.fd);
         break;
     case OP_CUSTODY_RECLAIM:
-        for (size_t i = 0; i < op->out.report.n_retrieved; i++)
-            escrow__node_session_add(c, op->out.report.retrieved[i].session.id, op->out.report.retrieved[i].fd);
+        for (size_t i = 0; i < op->out.report.n_retrieved; i++) {
+            const escrow_retrieved *r = &op->out.report.retrieved[i];
+            if (escrow__custody_keeps(&c->cu, r->session.id))
+                escrow__node_session_add(c, r->session.id, r->fd);
+        }
         break;
     default: break;
     }
+    if (c->opened) escrow__node_sessions_sync(c); /* a release, a resume: what left, journals */
     if (op->deferred != NULL) {
-        if (!ok) napi_reject_deferred(env, op->deferred, escrow__node_op_error(env, op));
+        if (!ok)
+            napi_reject_deferred(env, op->deferred,
+                                 value != NULL ? value : escrow__node_op_error(env, op));
         else napi_resolve_deferred(env, op->deferred,
                                    value != NULL ? value : escrow__node_op_value(env, op));
     }
     if (op->kind == OP_CUSTODY_CLOSE || (op->kind == OP_CUSTODY_OPEN && !ok)) {
         closed(c);
     } else if (c->opened && !c->closing) {
-        escrow__node_watch_after(c, &op->err);
+        escrow__node_watch_after(c, &op->err); /* protected or not: the C custody says */
     }
     napi_close_handle_scope(env, scope);
     escrow__node_op_free(op);
@@ -174,6 +197,13 @@ napi_value escrow__node_custody_open(napi_env env, napi_callback_info info) {
     size_t argc = 2;
     napi_value argv[2] = {0}, handle, name, promise;
     NAPI_OK(env, napi_get_cb_info(env, info, &argc, argv, NULL, NULL), NULL);
+    /* A worker's loop closes with the worker, while the custody's handles are on it and a
+     * call may be running on the pool: a custody lives on the main thread only. */
+    uv_loop_t *loop = NULL;
+    NAPI_OK(env, napi_get_uv_event_loop(env, &loop), NULL);
+    if (loop != uv_default_loop())
+        return escrow__node_throw(env, ESCROW_CONFIG,
+                                  "a custody is opened on the main thread only, not in a worker");
     escrow__node_custody *c = calloc(1, sizeof *c);
     if (c == NULL) return escrow__node_throw(env, ESCROW_SYSTEM, "out of memory");
     c->env = env;
@@ -201,7 +231,7 @@ napi_value escrow__node_custody_open(napi_env env, napi_callback_info info) {
     napi_create_reference(env, handle, 1, &c->self);
     napi_create_reference(env, argv[1], 1, &c->emit);
     napi_async_init(env, handle, name, &c->context);
-    napi_get_uv_event_loop(env, &c->loop);
+    c->loop = loop;
     napi_create_promise(env, &op->deferred, &promise);
     c->head = c->tail = op;
     start_next(c);

@@ -25,7 +25,8 @@ struct escrow__node_custody {
     escrow_client client;
     escrow_custody cu;
     int opened, closing, closed, busy;
-    int lapsed;                     /* 'lapsed' emitted, 'protected' not yet */
+    int lapsed;                     /* 'lapsed' emitted, 'protected' not yet: mirrors
+                                       !escrow_custody_protected after each call and check */
     escrow__node_op *head, *tail;   /* the queue; the one running is not in it */
     napi_ref self, emit;
     napi_async_context context;
@@ -51,7 +52,8 @@ void escrow__node_free_handle(uv_handle_t *h);
 
 void escrow__node_watch_start(escrow__node_custody *c); /* the queue is empty */
 void escrow__node_watch_pause(escrow__node_custody *c); /* a call starts */
-/* A call is done: lapse where it lost the holder, 'protected' where a lapse is over. */
+/* A call or a check is done: lapse where escrow_custody_protected is 0 (a resume later),
+ * 'protected' where it is 1 again after a lapse. */
 void escrow__node_watch_after(escrow__node_custody *c, const escrow_error *why);
 void escrow__node_watch_close(escrow__node_custody *c); /* the watch and the timer */
 
@@ -61,6 +63,9 @@ escrow__node_held *escrow__node_session_find(escrow__node_custody *c, const char
 /* The app holds `fd` for `id` now (a deposit, a retrieve into custody, a reclaim). */
 void escrow__node_session_add(escrow__node_custody *c, const char *id, int fd);
 void escrow__node_session_remove(escrow__node_custody *c, const char *id);
+/* After a call or a check: a session the C custody no longer keeps leaves (its poll
+ * closed), and each one's journal is what the C custody maps now. */
+void escrow__node_sessions_sync(escrow__node_custody *c);
 /* startReading / stopReading: 0, or -1 with a JS error thrown. */
 int escrow__node_session_read(escrow__node_custody *c, escrow__node_held *s, int start);
 void escrow__node_reads_start(escrow__node_custody *c); /* the queue is empty */

@@ -62,6 +62,18 @@ void escrow__node_session_add(escrow__node_custody *c, const char *id, int fd) {
     s->journal = escrow_custody_journaled(&c->cu, id);
 }
 
+void escrow__node_sessions_sync(escrow__node_custody *c) {
+    for (size_t i = 0; i < c->n;) {
+        escrow__node_held *s = c->sessions[i];
+        if (!escrow__custody_keeps(&c->cu, s->id)) {
+            escrow__node_session_remove(c, s->id); /* the last one takes its place */
+            continue;
+        }
+        s->journal = escrow_custody_journaled(&c->cu, s->id);
+        i++;
+    }
+}
+
 static void on_master(uv_poll_t *h, int status, int events) {
     (void)status, (void)events;
     escrow__node_held *s = h->data;

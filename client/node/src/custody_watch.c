@@ -6,7 +6,9 @@
  * custody emits 'lapsed' (with the error), and tries escrow_custody_resume (through the
  * queue, off the main thread, as any call) after escrow_custody_retry_ms on a uv timer,
  * again and again with the C client's back-off, until it is protected again: 'protected'. A
- * call that lost the connection lapses protection the same way. The fd changes with every
+ * call that lost the connection lapses protection the same way. Whether it is protected is
+ * escrow_custody_protected's answer after every call and check, never a guess from the fd:
+ * a resume that a holder refused for one session has a connection and is still lapsed. The fd changes with every
  * resume: the poll is made again on the new one.
  *
  * Neither the poll nor the timer keeps the app running (uv_unref): a custody alone is no
@@ -44,6 +46,7 @@ static void resume_later(escrow__node_custody *c) {
         c->timer->data = c;
         uv_unref((uv_handle_t *)c->timer);
     }
+    if (uv_is_active((uv_handle_t *)c->timer)) return; /* a resume is due already */
     int ms = escrow_custody_retry_ms(&c->cu);
     uv_timer_start(c->timer, on_resume_time, (uint64_t)(ms > 0 ? ms : 100), 0);
 }
@@ -54,7 +57,8 @@ static void lapse(escrow__node_custody *c, const escrow_error *why) {
     escrow_error e;
     if (why == NULL || why->code == ESCROW_OK) {
         memset(&e, 0, sizeof e);
-        escrow__fail(&e, ESCROW_UNAVAILABLE, 0, NULL, "the holder went away");
+        escrow__fail(&e, ESCROW_UNAVAILABLE, 0, NULL,
+                     "custody is not protected: a session held here is not escrowed");
         why = &e;
     }
     napi_value error = escrow__node_error(c->env, why);
@@ -67,13 +71,13 @@ static void on_custody_fd(uv_poll_t *h, int status, int events) {
     if (c->busy || c->closing) return;
     escrow_error e;
     memset(&e, 0, sizeof e);
-    if (escrow_custody_check(&c->cu, &e) == ESCROW_OK) return; /* still there */
-    stop_watch(c);
+    escrow_code rc = escrow_custody_check(&c->cu, &e);
+    if (rc == ESCROW_OK && escrow_custody_protected(&c->cu) == !c->lapsed) return; /* as was */
+    escrow__node_sessions_sync(c);
     napi_handle_scope scope;
     napi_open_handle_scope(c->env, &scope);
-    lapse(c, &e);
+    escrow__node_watch_after(c, &e);
     napi_close_handle_scope(c->env, scope);
-    resume_later(c);
 }
 
 void escrow__node_watch_start(escrow__node_custody *c) {
@@ -97,7 +101,10 @@ void escrow__node_watch_pause(escrow__node_custody *c) {
 }
 
 void escrow__node_watch_after(escrow__node_custody *c, const escrow_error *why) {
-    if (escrow_custody_fd(&c->cu) < 0) { /* lost the holder: lapsed, or still lapsed */
+    /* The C custody says, never its fd: a resume a holder refused keeps its new connection,
+     * and a session held but not kept leaves the connection as it was. */
+    if (!escrow_custody_protected(&c->cu)) {
+        if (escrow_custody_fd(&c->cu) != c->watch_fd) stop_watch(c); /* closed or new */
         lapse(c, why);
         resume_later(c);
     } else if (c->lapsed) {

@@ -18,6 +18,8 @@ export type EscrowCode =
   | 'not_a_terminal' | 'custody_held' | 'busy' | 'drain_stop_timeout' | 'limit'
   | 'handed_off' | 'released' | 'expired' | 'ack_late'
   | 'unavailable' | 'unresponsive' | 'config' | 'protocol' | 'system'
+  /** A custody's deposit got no answer to believe: kept, settled by the next resume. */
+  | 'indeterminate'
   | (string & {}); // a code newer than this client
 
 export interface EscrowError extends Error {
@@ -30,6 +32,8 @@ export interface EscrowError extends Error {
   versions?: number[];
   /** A reclaim that failed part way: what it took all the same (their fds are the app's). */
   report?: ReclaimReport;
+  /** 'indeterminate': what the C client said of the deposit (unresponsive, protocol...). */
+  cause?: EscrowError;
 }
 
 export function isEscrowError(e: unknown): e is EscrowError {
@@ -255,6 +259,7 @@ export interface CustodyEvents {
  */
 export class Custody extends EventEmitter {
   private handle: object | null = null;
+  private closing: Promise<void> | null = null;
 
   /** @internal */
   readonly emitFromNative: Emit = (event, ...args) => {
@@ -281,7 +286,10 @@ export class Custody extends EventEmitter {
     return super.once(event, listener as (...args: unknown[]) => void);
   }
 
-  /** The holder gets its own copy of fd; the app keeps it and reads it with startReading. */
+  /** The holder gets its own copy of fd; the app keeps it and reads it with startReading.
+   * Rejects with 'indeterminate' where no answer could be believed: the session is held here
+   * all the same (fd(id), startReading), `protected` is false until a resume settles it, and
+   * release gives it up. Any other rejection: nothing is held. */
   async deposit(id: string, fd: number, options: DepositOptions = {}): Promise<void> {
     await native.custodyCall(this.h, Op.Deposit, id, fd, options);
   }
@@ -334,8 +342,14 @@ export class Custody extends EventEmitter {
     return this.handle !== null && native.custodySync(this.handle, 'protected') as boolean;
   }
 
-  /** End custody: every session held here is draining once it resolves; read none again. */
-  async close(): Promise<void> {
+  /** End custody: every session held here is draining once it resolves; read none again.
+   * A second call gives the first one's promise: it too resolves only once custody ended. */
+  close(): Promise<void> {
+    if (this.closing === null) this.closing = this.end();
+    return this.closing;
+  }
+
+  private async end(): Promise<void> {
     if (this.handle === null) return;
     try {
       await native.custodyCall(this.handle, Op.CustodyClose);
