@@ -89,6 +89,7 @@ typedef struct escrow__node_op {
     double seconds;
     escrow__node_meta meta;
     escrow_deposit_opts opts;
+    int was_kept;                      /* a deposit's id was held here before it ran */
     /* out */
     escrow_code rc;
     escrow_error err;

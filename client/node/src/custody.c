@@ -85,7 +85,10 @@ void escrow__node_custody_execute(escrow__node_op *op) {
     escrow_error *e = &op->err;
     switch (op->kind) {
     case OP_CUSTODY_OPEN: op->rc = escrow_custody_open(&c->client, cu, e); break;
-    case OP_DEPOSIT: op->rc = escrow_deposit(cu, op->id, op->fd, &op->opts, e); break;
+    case OP_DEPOSIT:
+        op->was_kept = escrow__custody_keeps(cu, op->id);
+        op->rc = escrow_deposit(cu, op->id, op->fd, &op->opts, e);
+        break;
     case OP_CUSTODY_RELEASE: op->rc = escrow_custody_release(cu, op->id, e); break;
     case OP_CUSTODY_UPDATE:
         op->rc = escrow_custody_update(cu, op->id, op->cols, op->rows,
@@ -147,7 +150,9 @@ void escrow__node_custody_complete(napi_env env, escrow__node_op *op) {
      * deposit with no answer is kept (a resume settles it), one refused before it was sent
      * is not, a retrieve whose duplicate could not be kept is the app's but not held. */
     case OP_DEPOSIT:
-        if (escrow__custody_keeps(&c->cu, op->id)) {
+        /* An id held here before (under its first fd): the answer as it came, the table as
+         * it was. */
+        if (!op->was_kept && escrow__custody_keeps(&c->cu, op->id)) {
             escrow__node_session_add(c, op->id, op->fd);
             if (!ok) value = indeterminate(env, op);
         }
