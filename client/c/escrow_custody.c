@@ -342,7 +342,7 @@ int escrow_custody_journaled(const escrow_custody *cu, const char *id) {
 /* ---- sessions retrieved into custody (PROTOCOL.md 12.6) ----------------------------------- */
 
 escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
-                                         int journal_fd, const journal_info *info,
+                                         int journal_fd, const journal_info *info, int held,
                                          escrow_error *err) {
     escrow_kept k;
     const escrow_session *s = &r->session;
@@ -357,12 +357,22 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
          * us, read through r->fd, and unprotected until released, since no resume can give
          * it to the next holder (escrow_custody_protected says so). */
         k.journal_asked = journal_fd >= 0;
-        k.held = 1;
-        if (journal_fd >= 0 && k.fd >= 0 &&
+        k.held = held;
+        if (held && journal_fd >= 0 && k.fd >= 0 &&
             escrow__journal_map(&k.journal, journal_fd, info,
                                 escrow_has_feature(&cu->welcome, "journal_reading")) == 0)
             r->journal = 1;
-        kept_add(cu, &k);
+        escrow_kept *kept = kept_add(cu, &k);
+        if (!held && kept->fd >= 0) {
+            /* Ours alone, or its connection gone: given to the holder again from the
+             * duplicate, now if the connection can take it (as a resume would), else by
+             * the next resume; a refusal leaves it to that resume too. */
+            escrow_error why;
+            int doubt;
+            if (cu->sock < 0 || cu->owed != ESCROW__OWED_NONE ||
+                (escrow__custody_send_deposit(cu, kept, &doubt, &why) != ESCROW_OK && !doubt))
+                cu->lapsed = 1;
+        }
     } else {
         cu->unkept++; /* out of memory: held by us, and not even its name is kept */
     }
@@ -371,6 +381,6 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
 }
 
 escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
-                                 escrow_error *err) {
-    return escrow__custody_keep_journal(cu, r, journal_fd, NULL, err);
+                                 int held, escrow_error *err) {
+    return escrow__custody_keep_journal(cu, r, journal_fd, NULL, held, err);
 }
