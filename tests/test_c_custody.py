@@ -632,6 +632,29 @@ def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(
     assert [type(r).__name__ for r in requests] == ["Update"]
 
 
+def test_closing_a_lapsed_c_custody_ends_custody_on_the_next_holder(
+    build: Build, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], scripts: list[Script],
+) -> None:
+    """Found in review: a custody whose holder was SIGKILLed under its keeper, closed
+    without a resume, only closed its duplicates: the next holder had adopted the session
+    as held by the app's pid, and kept it so, read by nobody, for as long as the app lived.
+    Now the close takes custody back, ends it again and confirms with the list: the session
+    drains while the app goes on living."""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    kid = counter(pty_children)
+    app = script(scripts, build, holder.socket, timeout=5.0, pass_fds=(kid.master,))
+    _said(app.call(f"deposit s1 {kid.master}"), "ok", 1)
+    kill_serving_holder(holder)
+    wait_for(lambda: app.call("check")["code"] == "unavailable", 10.0, "the lapse")
+    assert held_by(client, "s1", app.proc.pid), client.list()  # adopted, waiting for us
+    _said(app.call("close"), "ok", 0)
+    assert state_of(client, "s1") == "draining", client.list()
+    assert app.proc.poll() is None
+    app.end()
+
+
 JOURNAL_RING = 16 * 1024
 PIECE = 8192  # the most a torn write can lose
 
