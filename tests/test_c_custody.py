@@ -44,7 +44,7 @@ from test_c_client import (
 from test_c_client import build as build  # noqa: F401  (a fixture)
 from test_survive import kill_serving_holder
 
-from conftest import HolderProcess, PtyChild, start_holder, wait_for
+from conftest import OWNER, HolderProcess, PtyChild, start_holder, wait_for
 from escrow_client import EscrowClient, paths, protocol
 
 
@@ -519,6 +519,139 @@ def test_a_session_retrieved_into_custody_without_a_duplicate_stays_unprotected(
     assert app.call("read s1")["fd"] == -1  # EBADF: read the fd the retrieve gave
     _said(app.call("release s1"), "ok", 0)
     _said(app.call("resume"), "ok", 1)  # released: nothing unprotected is held here
+    app.end()
+
+
+def _greet_keep(conn: socket.socket) -> int:
+    """Greet as a holder that retrieves into custody; the client's pid from its hello."""
+    hello = read(conn)
+    assert isinstance(hello, protocol.Hello)
+    send(conn, protocol.Welcome(
+        version=1, holder_version="fake", pid=1, drain_stop_budget=0.1, send_deadline=0.1,
+        ack_deadline=1.0, features=["keep", "journal", "journal_reading", "update"]))
+    return int(hello.client.split("pid=")[1])
+
+
+def _session(state: str, **fields: Any) -> protocol.SessionInfo:
+    return protocol.SessionInfo(owner=OWNER, id="s1", state=state,  # type: ignore[arg-type]
+                                deposited_at=1.5, **fields)
+
+
+def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_again(
+    build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+) -> None:
+    """Found in review: the holder went away between our ack and its `done`; the next one
+    had adopted the handoff, and the ack sent again on a fresh connection completed it
+    (out of escrow: ours alone). The C client marked it held all the same, so the resume
+    gave it to nobody and said protected. Now the resume deposits it again from the
+    duplicate, and only then is the custody protected."""
+    master, slave = os.openpty()
+    deposits: list[protocol.Request] = []
+
+    def custody(conn: socket.socket) -> None:
+        _greet_keep(conn)
+        assert read(conn) == protocol.Retrieve(id="s1", keep=True)
+        send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
+                                    replay=b"R\r\n"), fd=master)
+        assert isinstance(read(conn), protocol.Ack)  # then the holder is gone
+
+    def listing(conn: socket.socket) -> None:
+        pid = _greet_keep(conn)
+        assert isinstance(read(conn), protocol.List)
+        send(conn, protocol.Sessions(sessions=[_session(
+            "handing_off", handoff_id="h-1", custodian_pid=pid)]))
+
+    def ack_again(conn: socket.socket) -> None:
+        _greet_keep(conn)
+        assert read(conn) == protocol.Ack(id="s1", handoff_id="h-1")
+        send(conn, protocol.Done(id="s1"))
+
+    def resume(conn: socket.socket) -> None:
+        _greet_keep(conn)
+        deposits.append(read(conn))
+        send(conn, protocol.Deposited(id="s1"))
+        conn.settimeout(20)
+        assert conn.recv(1) == b"", "custody ends only when the app ends it"
+
+    fake_holder = fake([custody, listing, ack_again, resume])
+    try:
+        app = script(scripts, build, fake_holder.path)
+        got = app.call("retrieve s1")
+        _said(got, "ok", 0)  # ours, and not protected: no holder has it
+        assert got["fd"] >= 3
+        _said(app.call("resume"), "ok", 1)
+        app.end()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert [(type(d).__name__, getattr(d, "id", None)) for d in deposits] == [
+        ("Deposit", "s1")]
+
+
+def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(
+    build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+) -> None:
+    """Found in review: a retrieve into custody whose `done` came after the client's
+    timeout: the list said held by this process, and the client then closed the custody's
+    connection, which made a real holder drain the session while the app read it (two
+    readers), and still said protected. Now the connection stays open, owed the `done`,
+    which the next call reads before it sends anything: the session stays held there."""
+    master, slave = os.openpty()
+    requests: list[protocol.Request] = []
+    holder: list[FakeHolder] = []
+
+    def custody(conn: socket.socket) -> None:
+        pid = _greet_keep(conn)
+        assert read(conn) == protocol.Retrieve(id="s1", keep=True)
+        send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
+                                    replay=b"R\r\n"), fd=master)
+        assert isinstance(read(conn), protocol.Ack)
+        # Slow: the client asks the list on a fresh connection before `done` is sent.
+        asking, _ = holder[0].listener.accept()
+        with asking:
+            _greet_keep(asking)
+            assert isinstance(read(asking), protocol.List)
+            send(asking, protocol.Sessions(sessions=[_session("held", custodian_pid=pid)]))
+        send(conn, protocol.Done(id="s1"))
+        requests.append(read(conn))
+        send(conn, protocol.Updated(id="s1"))
+        conn.settimeout(20)
+        assert conn.recv(1) == b"", "custody ends only when the app ends it"
+
+    holder.append(fake([custody]))
+    try:
+        app = script(scripts, build, holder[0].path)
+        got = app.call("retrieve s1")
+        _said(got, "ok", 0)  # owed its `done`: not known yet
+        assert got["fd"] >= 3
+        _said(app.call("update s1 80 24"), "ok", 1)  # the late done read first
+        app.end()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert [type(r).__name__ for r in requests] == ["Update"]
+
+
+def test_closing_a_lapsed_c_custody_ends_custody_on_the_next_holder(
+    build: Build, make_holder: Callable[..., HolderProcess],
+    pty_children: Callable[..., PtyChild], scripts: list[Script],
+) -> None:
+    """Found in review: a custody whose holder was SIGKILLed under its keeper, closed
+    without a resume, only closed its duplicates: the next holder had adopted the session
+    as held by the app's pid, and kept it so, read by nobody, for as long as the app lived.
+    Now the close takes custody back, ends it again and confirms with the list: the session
+    drains while the app goes on living."""
+    holder = make_holder(keeper=True)
+    client = holder.client()
+    kid = counter(pty_children)
+    app = script(scripts, build, holder.socket, timeout=5.0, pass_fds=(kid.master,))
+    _said(app.call(f"deposit s1 {kid.master}"), "ok", 1)
+    kill_serving_holder(holder)
+    wait_for(lambda: app.call("check")["code"] == "unavailable", 10.0, "the lapse")
+    assert held_by(client, "s1", app.proc.pid), client.list()  # adopted, waiting for us
+    _said(app.call("close"), "ok", 0)
+    assert state_of(client, "s1") == "draining", client.list()
+    assert app.proc.poll() is None
     app.end()
 
 

@@ -50,7 +50,8 @@ static const char usage[] =
     "  custody-script            one custody, driven by the lines of stdin (deposit ID FD\n"
     "                            [JOURNAL], release ID, update ID COLS ROWS, check, resume,\n"
     "                            retrieve ID [JOURNAL], record ID TEXT|@N, read ID,\n"
-    "                            stop-in-write, nofile N|off); a JSON line on stdout each\n"
+    "                            stop-in-write, nofile N|off, close); a JSON line on stdout\n"
+    "                            each\n"
     "  repaint FD                make the program on the inherited master FD redraw\n"
     "  cmsg                      the control messages that carry fd 7, and fds 7 and 9,\n"
     "                            and the constants\n"
@@ -453,6 +454,11 @@ static int cmd_custody_script(const escrow_client *c) {
             rc = escrow_custody_check(&cu, &err);
         } else if (strcmp(cmd, "resume") == 0) {
             rc = escrow_custody_resume(&cu, &err);
+        } else if (strcmp(cmd, "close") == 0) {
+            /* Custody ends (confirmed when it had lapsed); later lines find it closed. */
+            rc = escrow_custody_close(&cu);
+            err.code = rc;
+            snprintf(err.code_name, sizeof err.code_name, "%s", escrow_code_name(rc));
         } else if (strcmp(cmd, "retrieve") == 0 && argc >= 2 && n_taken < 64) {
             escrow_retrieved r;
             rc = escrow_custody_retrieve(&cu, argv[1], argc == 3 && atoi(argv[2]), &r, &err);

@@ -251,8 +251,13 @@ escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t co
                                   escrow_error *err);
 /* End custody: stop every journal, shut down our side and wait (within the timeout) for the
  * holder to close its side, by when every session held here is draining; close the kept
- * duplicates. The app must not read those fds again. */
-void escrow_custody_close(escrow_custody *cu);
+ * duplicates. The app must not read those fds again. A custody that lapsed, or is owed an
+ * answer, is confirmed too (PROTOCOL.md 10.4): each session still held by this process on
+ * a holder that restarted, or unknown to it, is taken back (journals stopped) and its
+ * custody ended again, until the holder's list says it is out of our hands. ESCROW_OK:
+ * confirmed (or nothing to confirm); ESCROW_UNAVAILABLE: not within the client's timeout
+ * (those sessions may be held by nobody, or not escrowed at all). Closed either way. */
+escrow_code escrow_custody_close(escrow_custody *cu);
 /* In a forked child that will not exec: drop the inherited custody socket, the duplicates
  * and the journal mappings without a word, so the child never keeps custody alive after the
  * app dies and never writes a journal. */

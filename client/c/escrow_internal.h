@@ -230,8 +230,12 @@ struct escrow_kept {
                                            or not known yet (a deposit owed its answer) */
 };
 
-/* What a call on the custody's connection was (escrow_custody.owed). */
-enum { ESCROW__OWED_NONE, ESCROW__OWED_DEPOSIT, ESCROW__OWED_RELEASE, ESCROW__OWED_UPDATE };
+/* What a call on the custody's connection was (escrow_custody.owed). A retrieve into
+ * custody whose `done` came late (12.6) is owed that frame, and then the answer to the
+ * `status` that ended a refused handoff's wait when there was one: each read and dropped,
+ * since the list asked on a fresh connection has decided those sessions already. */
+enum { ESCROW__OWED_NONE, ESCROW__OWED_DEPOSIT, ESCROW__OWED_RELEASE, ESCROW__OWED_UPDATE,
+       ESCROW__OWED_DONE, ESCROW__OWED_DONE_STATUS };
 
 /* Before anything is sent on the custody's connection: the answer it is owed, read within
  * `deadline` and acted on. ESCROW_OK: in step (nothing owed). ESCROW_UNRESPONSIVE: still
@@ -255,16 +259,20 @@ void escrow__custody_lost(escrow_custody *cu);
 
 /* ---- escrow_custody.c: what a custody keeps (sections 10.2, 12.6) ------------------------ */
 
-/* A session retrieved into custody `cu` (its `done` came): keep a duplicate of r->fd, the
- * session's deposit (from r->session: label, child_pid, size, meta) and, when `journal_fd`
- * >= 0, map that journal file (closing it) and set r->journal. ESCROW_SYSTEM if it cannot
- * keep it: the session is held by us all the same, and escrow_custody_protected stays 0
- * until it is released (a resume cannot give it to the next holder). */
+/* A session retrieved into custody `cu`: keep a duplicate of r->fd, the session's deposit
+ * (from r->session: label, child_pid, size, meta) and, when `journal_fd` >= 0, map that
+ * journal file (closing it) and set r->journal. `held` 1: its `done` came, or the holder
+ * says it is held by us, on the custody's connection, still open; 0: that connection is
+ * gone, or the holder has no copy (alone, out of escrow): it is deposited again from the
+ * duplicate at once when the connection can take it, else by the next resume (the custody
+ * lapsed until then), and no journal is mapped meanwhile. ESCROW_SYSTEM if it cannot keep
+ * it: the session is ours all the same, and escrow_custody_protected stays 0 until it is
+ * released (a resume cannot give it to the next holder). */
 escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
-                                 escrow_error *err);
+                                 int held, escrow_error *err);
 /* The same, with the handoff's Journal checked against the file (section 10.6). */
 escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
-                                         int journal_fd, const journal_info *info,
+                                         int journal_fd, const journal_info *info, int held,
                                          escrow_error *err);
 /* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
  * custody holds it; 0: it does not (never deposited, refused, released). */
@@ -275,7 +283,8 @@ int escrow__custody_keeps(const escrow_custody *cu, const char *id);
 /* Retrieve ids[0..n) over `c` in one request (into custody `cu`, on its connection, when
  * not NULL). Every id ends with its answer in errs[i]: ESCROW_OK, taken and appended to
  * `into` (the caller's fd; with `cu`, kept by the custody too). Returns what spoiled the
- * whole call, if anything (then `c` is closed, or with `cu` lapsed). */
+ * whole call, if anything (then `c` is closed, or with `cu` lapsed; a `done` that did not
+ * come in time into custody leaves the connection open, owed it). */
 escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids, size_t n,
                              int journal, double deadline, escrow_reclaim_report *into,
                              escrow_error *errs);

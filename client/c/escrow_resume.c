@@ -99,10 +99,37 @@ static int breaks(escrow_code rc) {
            rc == ESCROW_SYSTEM;
 }
 
-static const char *const owed_answer[] = {"", "deposited", "released", "updated"};
+static const char *const owed_answer[] = {"", "deposited", "released", "updated", "done",
+                                          "done"};
+
+/* The late frames of a retrieve into custody (12.6): whatever they say, the sessions were
+ * decided on a fresh connection; read to put the stream back in step. */
+static escrow_code late_done(escrow_custody *cu, double deadline, escrow_error *err) {
+    while (cu->owed == ESCROW__OWED_DONE || cu->owed == ESCROW__OWED_DONE_STATUS) {
+        frame f;
+        escrow_code rc = ESCROW_OK;
+        if (escrow__wait_io(cu->sock, POLLIN, deadline) != 0) {
+            int e = errno;
+            rc = escrow__io_failed(err, e, "did not answer");
+            if (e == ETIMEDOUT) {
+                if (err != NULL) snprintf(err->id, sizeof err->id, "%s", cu->owed_id);
+                return rc; /* still owed */
+            }
+        }
+        if (rc == ESCROW_OK) rc = escrow__recv_frame(cu->sock, deadline, &f, err);
+        if (rc != ESCROW_OK) {
+            escrow__custody_lost(cu);
+            return rc;
+        }
+        escrow__frame_free(&f);
+        cu->owed = cu->owed == ESCROW__OWED_DONE_STATUS ? ESCROW__OWED_DONE : ESCROW__OWED_NONE;
+    }
+    return ESCROW_OK;
+}
 
 escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_error *err) {
     if (cu->owed == ESCROW__OWED_NONE || cu->sock < 0) return ESCROW_OK;
+    if (cu->owed >= ESCROW__OWED_DONE) return late_done(cu, deadline, err);
     frame f;
     int none;
     int kind = cu->owed;

@@ -14,8 +14,13 @@
  *
  * Into custody (`keep`), the exchange runs on the custody's connection, and every session
  * done is given to escrow__custody_keep (with its journal file, when the handoff had one),
- * which keeps a duplicate so that a holder restart cannot take it either. A connection that
- * fails there lapses the custody (escrow__custody_lost): it is never replaced here, since
+ * which keeps a duplicate so that a holder restart cannot take it either: held on the
+ * custody's connection, or, when that is gone or the holder has no copy left (our ack
+ * completed on a fresh connection: out of escrow), deposited again, as the Python client
+ * does. The answer a custody call before is owed is read first (escrow__custody_in_step). A
+ * `done` that did not come in time leaves the connection open, owed it, since closing it
+ * would end custody of every session held there (the list decides these). A connection
+ * that breaks lapses the custody (escrow__custody_lost): it is never replaced here, since
  * taking custody back (escrow_custody_resume) is the app's call.
  *
  * The fds: a handoff's master is the report's (the caller's) once taken, and closed on every
@@ -39,7 +44,9 @@
 typedef struct taken {
     escrow_retrieved r;
     int journal_fd;
-    size_t at; /* its id's place in the batch */
+    journal_info journal; /* the handoff's, checked against the file when it is mapped */
+    int alone;            /* the holder has no copy left: ours alone, out of escrow (12.6) */
+    size_t at;            /* its id's place in the batch */
 } taken;
 
 /* ESCROW_SYSTEM when the report cannot grow: the caller closes the fd instead. */
@@ -104,7 +111,7 @@ static escrow_code resolve_kept(const escrow_client *c, taken *t, escrow_error *
                   strcmp(s->state, "expired") == 0)) {
         if (t->journal_fd >= 0) close(t->journal_fd); /* that holder's journal is over */
         t->journal_fd = -1;
-        t->r.confirmed = 1;
+        t->r.confirmed = t->alone = 1; /* to be deposited again */
     } else if (s != NULL && strcmp(s->state, "held") == 0 &&
                s->custodian_pid == (int64_t)getpid()) {
         t->r.confirmed = 1;
@@ -169,6 +176,7 @@ static int take_handoff(frame *f, const char *const *ids, size_t n, escrow_error
     }
     t->r.fd = f->fds[0];
     if (journal.set) t->journal_fd = f->fds[1];
+    t->journal = journal;
     f->nfds = 0; /* both are t's now */
     return 1;
 }
@@ -238,7 +246,20 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
     taken *got = calloc(n, sizeof *got);
     escrow_code rc = answered == NULL || got == NULL
                          ? escrow__fail(&whole, ESCROW_SYSTEM, ENOMEM, NULL, "no memory")
-                         : escrow__check_retrieve_time(c, deadline, ids[0], &whole);
+                         : ESCROW_OK;
+    if (rc == ESCROW_OK && cu != NULL) {
+        /* The answer a custody call before is owed comes first (a late refusal of a
+         * deposit is that deposit's, not this call's). */
+        (void)escrow__custody_in_step(cu, deadline, &whole);
+        if (cu->sock < 0)
+            rc = escrow__fail(&whole, ESCROW_UNAVAILABLE, 0, ids[0], "custody lapsed (the "
+                              "holder went away): escrow_custody_resume first");
+        else if (cu->owed != ESCROW__OWED_NONE)
+            rc = escrow__fail(&whole, ESCROW_UNRESPONSIVE, ETIMEDOUT, ids[0],
+                              "the holder has not answered the call before (on %s) in time: "
+                              "nothing was sent", cu->owed_id);
+    }
+    if (rc == ESCROW_OK) rc = escrow__check_retrieve_time(c, deadline, ids[0], &whole);
     if (rc == ESCROW_OK) {
         if (n == 1) rc = escrow__encode_retrieve(&o, ids[0], keep, journal, 0, &whole);
         else rc = escrow__encode_retrieve_many(&o, ids, n, keep, journal, 0, &whole);
@@ -309,10 +330,17 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
         if (rc == ESCROW_OK) rc = send_only(c, &o, deadline, &whole);
         free(o.data);
     }
+    int late = 0; /* into custody, not a byte of `done` in time: owed, the connection kept */
     if (rc == ESCROW_OK && n_got > 0) {
         escrow_error refusal;
         memset(&refusal, 0, sizeof refusal);
-        rc = receive_done(c, got, n_got, deadline, &refusal, &whole);
+        if (cu != NULL && escrow__wait_io(c->sock, POLLIN, deadline) != 0) {
+            int e = errno;
+            rc = escrow__io_failed(&whole, e, "did not answer the ack");
+            late = e == ETIMEDOUT;
+        } else {
+            rc = receive_done(c, got, n_got, deadline, &refusal, &whole);
+        }
         if (rc == ESCROW_OK && refusal.code != ESCROW_OK)
             for (size_t i = 0; i < n_got; i++) { /* the holder kept them: drains them again */
                 errs[got[i].at] = refusal;
@@ -321,8 +349,15 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
             }
     }
     if (rc == ESCROW_OK && refused) rc = receive_refusal(c, deadline, &whole);
-    int lost = rc == ESCROW_UNAVAILABLE || rc == ESCROW_UNRESPONSIVE ||
-               rc == ESCROW_PROTOCOL || rc == ESCROW_SYSTEM;
+    int lost = !late && (rc == ESCROW_UNAVAILABLE || rc == ESCROW_UNRESPONSIVE ||
+                         rc == ESCROW_PROTOCOL || rc == ESCROW_SYSTEM);
+    if (late) {
+        /* Closing it would end custody of every session on it, these too if the holder
+         * took the ack: the late frames are read before the next request (escrow_resume.c),
+         * and the list decides these sessions below. */
+        cu->owed = refused ? ESCROW__OWED_DONE_STATUS : ESCROW__OWED_DONE;
+        snprintf(cu->owed_id, sizeof cu->owed_id, "%s", got[0].r.session.id);
+    }
     if (rc != ESCROW_OK) {
         /* No answer, or the stream out of step (or the whole request refused: then nothing
          * was handed off). With `keep` the custody's connection is lost; asked first, while
@@ -354,8 +389,13 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
         taken *t = &got[i];
         if (t->r.fd < 0) continue;
         if (cu != NULL) {
-            escrow_error ignored; /* unprotected if it cannot be kept: held by us all the same */
-            escrow__custody_keep(cu, &t->r, t->journal_fd, &ignored);
+            /* Held on the connection we have, unless that is gone or the holder has no
+             * copy: then it is deposited again. Unprotected if it cannot be kept: ours all
+             * the same. */
+            escrow_error ignored;
+            escrow__custody_keep_journal(cu, &t->r, t->journal_fd,
+                                         t->journal_fd >= 0 ? &t->journal : NULL,
+                                         cu->sock >= 0 && !t->alone, &ignored);
         } else if (t->journal_fd >= 0) {
             close(t->journal_fd); /* unasked: this client writes no journal out of custody */
         }
