@@ -19,6 +19,9 @@
  *                     resume, the back-off (sections 10.4 and 5)
  *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
  *                     session, its journal (sections 10.2, 10.5, 10.6, 12.6)
+ *   escrow_custody_end.c
+ *                     the end of custody, confirmed by the holder's list where the custody
+ *                     lapsed or is owed an answer (sections 10.2, 10.4 and 11)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
  *   escrow_retrieve_many.c
@@ -277,6 +280,11 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
 /* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
  * custody holds it; 0: it does not (never deposited, refused, released). */
 int escrow__custody_keeps(const escrow_custody *cu, const char *id);
+/* Kept session `k` dropped from the table: its journal unmapped, its duplicate closed. */
+void escrow__custody_drop(escrow_custody *cu, escrow_kept *k);
+/* Every kept session dropped so, and the custody as if it never held any (nothing owed, not
+ * lapsed): what closing it leaves, its connection closed first. */
+void escrow__custody_forget(escrow_custody *cu);
 
 /* ---- escrow_retrieve_many.c: one exchange (sections 12.2, 12.3, 12.6, 12.7) ------------- */
 
