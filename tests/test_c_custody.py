@@ -537,22 +537,28 @@ def _session(state: str, **fields: Any) -> protocol.SessionInfo:
                                 deposited_at=1.5, **fields)
 
 
+@pytest.mark.parametrize("journal", [False, True])
 def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_again(
     build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+    journal: bool,
 ) -> None:
     """Found in review: the holder went away between our ack and its `done`; the next one
     had adopted the handoff, and the ack sent again on a fresh connection completed it
     (out of escrow: ours alone). The C client marked it held all the same, so the resume
     gave it to nobody and said protected. Now the resume deposits it again from the
-    duplicate, and only then is the custody protected."""
+    duplicate, and only then is the custody protected. A retrieve that asked for a journal
+    asks for one again in that deposit (as custody_hold.py's does): it went without one."""
     master, slave = os.openpty()
+    file = _journal_file(b"ESCROWJL")
+    layout = protocol.Journal(capacity=65536, total=0, position=0) if journal else None
     deposits: list[protocol.Request] = []
 
     def custody(conn: socket.socket) -> None:
         _greet_keep(conn)
-        assert read(conn) == protocol.Retrieve(id="s1", keep=True)
+        assert read(conn) == protocol.Retrieve(id="s1", keep=True, journal=journal)
         send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
-                                    replay=b"R\r\n"), fd=master)
+                                    replay=b"R\r\n", journal=layout),
+             fd=[master, file] if journal else master)
         assert isinstance(read(conn), protocol.Ack)  # then the holder is gone
 
     def listing(conn: socket.socket) -> None:
@@ -569,14 +575,14 @@ def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_aga
     def resume(conn: socket.socket) -> None:
         _greet_keep(conn)
         deposits.append(read(conn))
-        send(conn, protocol.Deposited(id="s1"))
+        send(conn, protocol.Deposited(id="s1", journal=layout), fd=file if journal else None)
         conn.settimeout(20)
         assert conn.recv(1) == b"", "custody ends only when the app ends it"
 
     fake_holder = fake([custody, listing, ack_again, resume])
     try:
         app = script(scripts, build, fake_holder.path)
-        got = app.call("retrieve s1")
+        got = app.call(f"retrieve s1 {int(journal)}")
         _said(got, "ok", 0)  # ours, and not protected: no holder has it
         assert got["fd"] >= 3
         _said(app.call("resume"), "ok", 1)
@@ -584,8 +590,9 @@ def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_aga
     finally:
         os.close(master)
         os.close(slave)
-    assert [(type(d).__name__, getattr(d, "id", None)) for d in deposits] == [
-        ("Deposit", "s1")]
+        os.close(file)
+    assert [(type(d).__name__, getattr(d, "id", None), getattr(d, "journal", None))
+            for d in deposits] == [("Deposit", "s1", journal)]
 
 
 def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(

@@ -315,9 +315,9 @@ int escrow_custody_journaled(const escrow_custody *cu, const char *id) {
 
 /* ---- sessions retrieved into custody (PROTOCOL.md 12.6) ----------------------------------- */
 
-escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
-                                         int journal_fd, const journal_info *info, int held,
-                                         escrow_error *err) {
+escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal,
+                                 int journal_fd, const journal_info *info, int held,
+                                 escrow_error *err) {
     escrow_kept k;
     const escrow_session *s = &r->session;
     memset(&k, 0, sizeof k);
@@ -330,7 +330,7 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
         /* Without a duplicate it is kept all the same (its deposit, its journal): held by
          * us, read through r->fd, and unprotected until released, since no resume can give
          * it to the next holder (escrow_custody_protected says so). */
-        k.journal_asked = journal_fd >= 0;
+        k.journal_asked = journal != 0; /* a deposit again asks as the retrieve did */
         k.held = held;
         if (held && journal_fd >= 0 && k.fd >= 0 &&
             escrow__journal_map(&k.journal, journal_fd, info,
@@ -352,11 +352,6 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
     }
     if (journal_fd >= 0) close(journal_fd);
     return rc;
-}
-
-escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
-                                 int held, escrow_error *err) {
-    return escrow__custody_keep_journal(cu, r, journal_fd, NULL, held, err);
 }
 
 /* ---- whether a session is kept (PROTOCOL.md 10.2, 10.4) ----------------------------------- */

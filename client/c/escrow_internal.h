@@ -263,20 +263,19 @@ void escrow__custody_lost(escrow_custody *cu);
 /* ---- escrow_custody.c: what a custody keeps (sections 10.2, 12.6) ------------------------ */
 
 /* A session retrieved into custody `cu`: keep a duplicate of r->fd, the session's deposit
- * (from r->session: label, child_pid, size, meta) and, when `journal_fd` >= 0, map that
- * journal file (closing it) and set r->journal. `held` 1: its `done` came, or the holder
- * says it is held by us, on the custody's connection, still open; 0: that connection is
- * gone, or the holder has no copy (alone, out of escrow): it is deposited again from the
- * duplicate at once when the connection can take it, else by the next resume (the custody
- * lapsed until then), and no journal is mapped meanwhile. ESCROW_SYSTEM if it cannot keep
- * it: the session is ours all the same, and escrow_custody_protected stays 0 until it is
- * released (a resume cannot give it to the next holder). */
-escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
-                                 int held, escrow_error *err);
-/* The same, with the handoff's Journal checked against the file (section 10.6). */
-escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
-                                         int journal_fd, const journal_info *info, int held,
-                                         escrow_error *err);
+ * (from r->session: label, child_pid, size, meta; `journal` 1: the retrieve asked for a
+ * journal, and every deposit of it again asks for one) and, when `journal_fd` >= 0, map
+ * that journal file (closing it; `info` the handoff's Journal, checked against the file:
+ * section 10.6) and set r->journal. `held` 1: its `done` came, or the holder says it is
+ * held by us, on the custody's connection, still open; 0: that connection is gone, or the
+ * holder has no copy (alone, out of escrow): it is deposited again from the duplicate at
+ * once when the connection can take it, else by the next resume (the custody lapsed until
+ * then), and no journal is mapped meanwhile. ESCROW_SYSTEM if it cannot keep it: the
+ * session is ours all the same, and escrow_custody_protected stays 0 until it is released
+ * (a resume cannot give it to the next holder). */
+escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal,
+                                 int journal_fd, const journal_info *info, int held,
+                                 escrow_error *err);
 /* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
  * custody holds it; 0: it does not (never deposited, refused, released). */
 int escrow__custody_keeps(const escrow_custody *cu, const char *id);

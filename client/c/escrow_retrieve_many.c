@@ -393,9 +393,9 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
              * copy: then it is deposited again. Unprotected if it cannot be kept: ours all
              * the same. */
             escrow_error ignored;
-            escrow__custody_keep_journal(cu, &t->r, t->journal_fd,
-                                         t->journal_fd >= 0 ? &t->journal : NULL,
-                                         cu->sock >= 0 && !t->alone, &ignored);
+            escrow__custody_keep(cu, &t->r, journal, t->journal_fd,
+                                 t->journal_fd >= 0 ? &t->journal : NULL,
+                                 cu->sock >= 0 && !t->alone, &ignored);
         } else if (t->journal_fd >= 0) {
             close(t->journal_fd); /* unasked: this client writes no journal out of custody */
         }
