@@ -153,12 +153,11 @@ static void give_back(escrow_retrieved *r) {
     escrow_retrieved_free(r);
 }
 
-/* Ack `r` again on a fresh connection (section 10.4): a holder that restarted and adopted
- * our handoff completes it there. 1 on its `done`; -1 on ack_late, the holder's words in
- * `err` (it kept the session and drains it); 0 on anything else, to ask again (busy: our
- * first connection's handoff is still being wound up; or no answer). */
-static int ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
-                     escrow_error *err) {
+/* Ack `r` again on a fresh connection, where a restarted holder completes our handoff
+ * (section 10.4): 1, -1 or 0 as escrow_internal.h says. A retrieve into custody whose
+ * `done` never came acks again with it too (escrow_retrieve_many.c). */
+int escrow__ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
+                      escrow_error *err) {
     conn cn;
     mp_out o = {0};
     frame f;
@@ -220,7 +219,7 @@ escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_
             return verdict;
         }
         if (!again) return ESCROW_OK;
-        int acked = ack_again(c, r, deadline, err);
+        int acked = escrow__ack_again(c, r, deadline, err);
         if (acked > 0) {
             r->confirmed = 1;
             return ESCROW_OK;

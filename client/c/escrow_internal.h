@@ -189,6 +189,13 @@ escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const ch
 /* `done` never came for `r` (acked, its fd held unread): the table of 12.3, on a fresh
  * connection. On any code but ESCROW_OK the fd was closed and `r` freed. */
 escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err);
+/* Ack `r` (not into custody) again on a fresh connection (section 10.4): a holder that
+ * restarted and adopted our handoff completes it there. 1 on its `done`; -1 on ack_late,
+ * the holder's words in `err` when not NULL (it kept the session and drains it); 0 on
+ * anything else, to ask again (busy: our first connection's handoff is still being wound
+ * up; or no answer). */
+int escrow__ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
+                      escrow_error *err);
 
 /* ---- escrow_journal.c: the journal writer (section 10.6) -------------------------------- */
 

@@ -60,22 +60,6 @@ static int report_take(escrow_reclaim_report *r, escrow_retrieved *got) {
 
 /* ---- 12.6: a `done` that never came, into custody --------------------------------------- */
 
-/* Ack `t` again on a fresh connection: 1 once the holder answered `done` (the session is
- * then ours alone); 0 to ask again; -1 on ack_late (the holder is draining it again). */
-static int ack_again(const escrow_client *c, const taken *t, double deadline) {
-    conn cn;
-    mp_out o = {0};
-    frame f;
-    escrow_error e;
-    if (escrow__connect_greet(c, &cn, deadline, NULL) != ESCROW_OK) return 0;
-    escrow_code rc = escrow__encode_ack(&o, t->r.session.id, t->r.handoff_id, 0, NULL);
-    if (rc == ESCROW_OK) rc = escrow__call(&cn, &o, -1, "done", deadline, &f, &e);
-    free(o.data);
-    escrow__conn_close(&cn);
-    if (rc == ESCROW_OK) escrow__frame_free(&f);
-    return rc == ESCROW_OK ? 1 : rc == ESCROW_ACK_LATE ? -1 : 0;
-}
-
 /* Whether the holder has `t` held for this process (ESCROW_OK, confirmed), has no copy of it
  * (ESCROW_OK, confirmed, its journal file closed: ours alone, to be deposited again), or
  * kept it or cannot say (the code, our copies closed: it may be draining). */
@@ -97,7 +81,7 @@ static escrow_code resolve_kept(const escrow_client *c, taken *t, escrow_error *
                              strcmp(s->handoff_id, t->r.handoff_id) == 0;
         if ((asked && !ours_under_way) || escrow__ms_left(deadline) < 50) break;
         if (ours_under_way) {
-            int acked = ack_again(c, t, deadline);
+            int acked = escrow__ack_again(c, &t->r, deadline, NULL);
             if (acked < 0) break; /* ack_late: drained again; our copy goes below */
             if (acked > 0) {
                 s = NULL; /* the holder let go: alone, below */
