@@ -10,7 +10,8 @@
  * back now and the connection stays in step (a custody's must stay open). A refused ack
  * (`ack_late`, `bad_request`) closes those copies: the holder drains them again. A `done`
  * that never comes is asked about on a fresh connection: 12.3 out of escrow
- * (escrow__resolve), 12.6 into custody (`resolve_kept`).
+ * (escrow__resolve, once the exchange's own connection is closed), 12.6 into custody
+ * (`resolve_kept`).
  *
  * Into custody (`keep`), the exchange runs on the custody's connection, and every session
  * done is given to escrow__custody_keep (with its journal file, when the handoff had one),
@@ -345,7 +346,10 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
     if (rc != ESCROW_OK) {
         /* No answer, or the stream out of step (or the whole request refused: then nothing
          * was handed off). With `keep` the custody's connection is lost; asked first, while
-         * it still holds what it held. */
+         * it still holds what it held. Without, ours is closed first (client/retrieve.py):
+         * the holder winds our handoff up when it goes, and answers an ack sent again on a
+         * fresh connection `busy` until then. */
+        if (lost && cu == NULL) escrow__conn_close(c);
         for (size_t i = 0; i < n_got; i++) {
             taken *t = &got[i];
             if (t->r.fd < 0 || t->r.confirmed) continue;
@@ -366,7 +370,6 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
                 snprintf(errs[i].id, sizeof errs[i].id, "%s", ids[i]);
             }
         if (lost && cu != NULL) escrow__custody_lost(cu);
-        else if (lost) escrow__conn_close(c);
     }
     /* What was taken is the report's (and the custody's). */
     for (size_t i = 0; i < n_got; i++) {
