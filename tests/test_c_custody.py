@@ -639,6 +639,34 @@ def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(
     assert [type(r).__name__ for r in requests] == ["Update"]
 
 
+def test_a_lapsed_c_custody_answers_every_call_unavailable_and_sends_nothing(
+    build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+) -> None:
+    """Found in review: a lapsed custody refused a retrieve or a reclaim into it with
+    ESCROW_CONFIG ("escrow_custody_resume first"), where its deposit said
+    ESCROW_UNAVAILABLE: an app that told the two apart took a lapse for its own mistake.
+    Now each is ESCROW_UNAVAILABLE, and nothing was sent (the holder hears nothing after
+    the deposit)."""
+    def custody(conn: socket.socket) -> None:
+        _greet_keep(conn)
+        assert isinstance(read(conn), protocol.Deposit)
+        send(conn, protocol.Deposited(id="s1"))  # then the holder is gone
+
+    fake_holder = fake([custody])
+    r, w = os.pipe()  # what is deposited: the fake does not look
+    try:
+        app = script(scripts, build, fake_holder.path, pass_fds=(r,))
+        _said(app.call(f"deposit s1 {r}"), "ok", 1)
+        wait_for(lambda: app.call("check")["code"] == "unavailable", 10.0, "the lapse")
+        _said(app.call("retrieve s2"), "unavailable", 0, "s2")
+        _said(app.call("reclaim"), "unavailable", 0)
+        _said(app.call(f"deposit s3 {r}"), "unavailable", 0, "s3")
+        app.end()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_closing_a_lapsed_c_custody_ends_custody_on_the_next_holder(
     build: Build, make_holder: Callable[..., HolderProcess],
     pty_children: Callable[..., PtyChild], scripts: list[Script],

@@ -136,12 +136,13 @@ void escrow__custody_forget(escrow_custody *cu) {
     cu->owed = ESCROW__OWED_NONE; /* a late answer went with the connection */
 }
 
-static escrow_code usable(const escrow_custody *cu, const char *id, escrow_error *err) {
+escrow_code escrow__custody_connected(const escrow_custody *cu, const char *id,
+                                      escrow_error *err) {
     if (cu->sock >= 0) return ESCROW_OK;
     if (cu->lapsed)
         return escrow__fail(err, ESCROW_UNAVAILABLE, 0, id,
-                            "custody lapsed (the holder went away): escrow_custody_resume "
-                            "first");
+                            "custody lapsed (the holder went away): nothing was sent; "
+                            "escrow_custody_resume first");
     return escrow__fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
 }
 
@@ -155,7 +156,7 @@ escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err) {
     static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0, 0};
     escrow_kept k;
-    escrow_code rc = usable(cu, id, err);
+    escrow_code rc = escrow__custody_connected(cu, id, err);
     if (rc != ESCROW_OK) return rc;
     if (opts == NULL) opts = &none;
     if (find(cu, id) != NULL)
@@ -232,7 +233,7 @@ static escrow_code in_step(escrow_custody *cu, const char *id, escrow_error *err
 
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err) {
     mp_out o = {0};
-    escrow_code rc = usable(cu, id, err);
+    escrow_code rc = escrow__custody_connected(cu, id, err);
     if (rc != ESCROW_OK && !cu->lapsed) return rc;
     if ((rc = in_step(cu, id, err)) != ESCROW_OK) return rc;
     escrow_kept *k = find(cu, id);
@@ -249,7 +250,7 @@ escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t co
                                   const escrow_meta *meta, size_t meta_count,
                                   escrow_error *err) {
     mp_out o = {0};
-    escrow_code rc = usable(cu, id, err);
+    escrow_code rc = escrow__custody_connected(cu, id, err);
     if (rc != ESCROW_OK && !cu->lapsed) return rc;
     if ((rc = in_step(cu, id, err)) != ESCROW_OK) return rc;
     rc = escrow__encode_update(&o, id, cols, rows, meta, meta_count, err);

@@ -283,6 +283,10 @@ void escrow__custody_lost(escrow_custody *cu);
 escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal,
                                  int journal_fd, const journal_info *info, int held,
                                  escrow_error *err);
+/* ESCROW_OK while `cu` has a connection; else, naming `id`, ESCROW_UNAVAILABLE while it is
+ * lapsed (nothing sent: escrow_custody_resume first), ESCROW_CONFIG once it is closed. */
+escrow_code escrow__custody_connected(const escrow_custody *cu, const char *id,
+                                      escrow_error *err);
 /* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
  * custody holds it; 0: it does not (never deposited, refused, released). */
 int escrow__custody_keeps(const escrow_custody *cu, const char *id);
@@ -302,7 +306,8 @@ void escrow__custody_forget(escrow_custody *cu);
 escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids, size_t n,
                              int journal, double deadline, escrow_reclaim_report *into,
                              escrow_error *errs);
-/* ESCROW_CONFIG, naming `id`, unless `cu` has a connection to a holder with "keep". */
+/* As escrow__custody_connected, then ESCROW_CONFIG, naming `id`, unless the holder it is
+ * connected to has "keep". */
 escrow_code escrow__custody_usable(escrow_custody *cu, const char *id, escrow_error *err);
 
 #endif

@@ -237,8 +237,7 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
          * deposit is that deposit's, not this call's). */
         (void)escrow__custody_in_step(cu, deadline, &whole);
         if (cu->sock < 0)
-            rc = escrow__fail(&whole, ESCROW_UNAVAILABLE, 0, ids[0], "custody lapsed (the "
-                              "holder went away): escrow_custody_resume first");
+            rc = escrow__custody_connected(cu, ids[0], &whole);
         else if (cu->owed != ESCROW__OWED_NONE)
             rc = escrow__fail(&whole, ESCROW_UNRESPONSIVE, ETIMEDOUT, ids[0],
                               "the holder has not answered the call before (on %s) in time: "
@@ -400,9 +399,8 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
 /* ---- retrieve into custody (PROTOCOL.md 12.6) ------------------------------------------- */
 
 escrow_code escrow__custody_usable(escrow_custody *cu, const char *id, escrow_error *err) {
-    if (cu->sock < 0)
-        return escrow__fail(err, ESCROW_CONFIG, 0, id,
-                            "this custody has no connection: escrow_custody_resume first");
+    escrow_code rc = escrow__custody_connected(cu, id, err);
+    if (rc != ESCROW_OK) return rc;
     if (!escrow_has_feature(&cu->welcome, "keep"))
         return escrow__fail(err, ESCROW_CONFIG, 0, id,
                             "the holder (version %s) cannot retrieve into custody (keep): it "
