@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hostile import COUNTER, assert_gap_free_from_1, numbered_lines, read_more_lines
@@ -48,7 +48,31 @@ from conftest import OWNER, HolderProcess, PtyChild, start_holder, wait_for
 from escrow_client import EscrowClient, paths, protocol
 
 
-class CApp:
+class _Driven:
+    """A driver process a test started, killed (its pipes closed) at the test's end."""
+
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None and not f.closed:
+                f.close()
+
+
+D = TypeVar("D", bound=_Driven)
+
+
+def _killed_after(started: list[D]) -> Iterator[list[D]]:
+    """For a fixture: the list a test's processes go in, each killed at its end."""
+    yield started
+    for driven in started:
+        driven.kill()
+
+
+class CApp(_Driven):
     """The driver's custody-app on a PTY child's master; its stderr events read as they come."""
 
     def __init__(self, build: Build, socket_path: str, sid: str, child: PtyChild,
@@ -108,21 +132,10 @@ class CApp:
         assert b"leaked_fds" not in self.err
         return self.proc.wait()
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if f is not None and not f.closed:
-                f.close()
-
 
 @pytest.fixture
 def c_apps() -> Iterator[list[CApp]]:
-    started: list[CApp] = []
-    yield started
-    for app in started:
-        app.kill()
+    yield from _killed_after([])
 
 
 def start(c_apps: list[CApp], *args: Any, **kwargs: Any) -> CApp:
@@ -340,7 +353,7 @@ def test_a_forked_child_of_the_c_app_holds_nothing(
 # --- a custody driven line by line (the driver's custody-script) -----------------------------
 
 
-class Script:
+class Script(_Driven):
     """The driver's custody-script: one custody, a line of stdin per call, a JSON line of
     stdout for each ({"cmd", "code", "id", "protected", "fd"})."""
 
@@ -379,14 +392,6 @@ class Script:
         assert "Sanitizer" not in err and "runtime error" not in err, err
         assert status == 0 and "leaked_fds" not in err, err
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if f is not None and not f.closed:
-                f.close()
-
     def _stderr(self) -> str:
         assert self.proc.stderr is not None
         return self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None \
@@ -395,10 +400,7 @@ class Script:
 
 @pytest.fixture
 def scripts() -> Iterator[list[Script]]:
-    started: list[Script] = []
-    yield started
-    for s in started:
-        s.kill()
+    yield from _killed_after([])
 
 
 def script(scripts: list[Script], *args: Any, **kwargs: Any) -> Script:

@@ -23,26 +23,12 @@
 
 /* ---- calls with one answer (PROTOCOL.md section 8) -------------------------------------- */
 
-/* A call with one {id} answer on a greeted connection: release, update. */
-static escrow_code id_call(conn *c, mp_out *o, int fd, const char *want, const char *id,
-                           escrow_error *err) {
-    frame f;
-    double deadline = escrow__now() + c->client->timeout;
-    escrow_code rc = escrow__call(c, o, fd, want, deadline, &f, err);
-    if (rc != ESCROW_OK) return rc;
-    char got[ESCROW_NAME_MAX + 1];
-    if (escrow__decode_id(&f, got) != 0)
-        rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed %s", want);
-    escrow__frame_free(&f);
-    return rc;
-}
-
 /* update (section 10.5) on a greeted connection: {id} answered `updated{id}`. */
 static escrow_code update_on(conn *c, const char *id, int64_t cols, int64_t rows,
                              const escrow_meta *meta, size_t meta_count, escrow_error *err) {
     mp_out o = {0};
     escrow_code rc = escrow__encode_update(&o, id, cols, rows, meta, meta_count, err);
-    if (rc == ESCROW_OK) rc = id_call(c, &o, -1, "updated", id, err);
+    if (rc == ESCROW_OK) rc = escrow__call_id(c, &o, "updated", id, err);
     free(o.data);
     return rc;
 }
@@ -113,7 +99,7 @@ escrow_code escrow_release(const escrow_client *c, const char *id, escrow_error 
     escrow_code rc = escrow__connect_greet(c, &cn, escrow__now() + c->timeout, err);
     if (rc != ESCROW_OK) return rc;
     rc = escrow__encode_id(&o, "release", id, err);
-    if (rc == ESCROW_OK) rc = id_call(&cn, &o, -1, "released", id, err);
+    if (rc == ESCROW_OK) rc = escrow__call_id(&cn, &o, "released", id, err);
     free(o.data);
     escrow__conn_close(&cn);
     return rc;

@@ -180,21 +180,8 @@ escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
     return rc;
 }
 
-/* A call with one {id} answer on a greeted connection of its own: release, update. */
-static escrow_code one_answer(conn *c, mp_out *o, const char *want, const char *id,
-                              escrow_error *err) {
-    frame f;
-    escrow_code rc = escrow__call(c, o, -1, want, escrow__now() + c->client->timeout, &f, err);
-    if (rc != ESCROW_OK) return rc;
-    char got[ESCROW_NAME_MAX + 1];
-    if (escrow__decode_id(&f, got) != 0)
-        rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed %s", want);
-    escrow__frame_free(&f);
-    return rc;
-}
-
-/* The same on the custody's connection (kept in step: a late answer is owed, not taken for
- * the next call's). While it is lapsed, on a connection of its own (any connection of the
+/* A call with one {id} answer on the custody's connection (kept in step: a late answer is
+ * owed, not taken for the next call's). While it is lapsed, on a connection of its own (any connection of the
  * owner may release or update any session: 10.2, 10.5). */
 static escrow_code id_call(escrow_custody *cu, mp_out *o, const char *want, int kind,
                            const char *id, escrow_error *err) {
@@ -202,7 +189,7 @@ static escrow_code id_call(escrow_custody *cu, mp_out *o, const char *want, int 
         conn cn;
         escrow_code rc = escrow__connect_greet(cu->client, &cn,
                                                escrow__now() + cu->client->timeout, err);
-        if (rc == ESCROW_OK) rc = one_answer(&cn, o, want, id, err);
+        if (rc == ESCROW_OK) rc = escrow__call_id(&cn, o, want, id, err);
         escrow__conn_close(&cn);
         return rc;
     }

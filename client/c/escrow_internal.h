@@ -181,6 +181,10 @@ escrow_code escrow__connect_greet(const escrow_client *cl, conn *c, double deadl
 void escrow__conn_close(conn *c);
 escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double deadline,
                          frame *f, escrow_error *err);
+/* The same with no fd, within the client's timeout, for an answer `want`{id}: release,
+ * update (a malformed one is ESCROW_PROTOCOL, naming `id`). */
+escrow_code escrow__call_id(conn *c, mp_out *o, const char *want, const char *id,
+                            escrow_error *err);
 escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const char *id,
                                         escrow_error *err);
 
