@@ -10,15 +10,19 @@ naming `scripts/setup --test`, which installs one.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import app_scenarios
 import pytest
 from app_scenarios import *  # noqa: F403 (the six scenarios, collected with this app)
-from app_scenarios import Apps, Holders
+from app_scenarios import REACT, Apps, Holders, first_run
 from test_c_client import LIBRARY, SANITIZER_ENV, SANITIZERS, SOURCE, WARNINGS, _compile
+
+from conftest import start_holder
 
 APP = SOURCE / "examples" / "term-app.c"
 
@@ -41,3 +45,31 @@ def apps(term_app: Path, make_holder: Holders) -> Iterator[Apps]:
 
 def test_the_app_compiles_as_c99_too() -> None:
     _compile("-std=c99", *WARNINGS, "-c", str(APP), "-o", "/dev/null")
+
+
+def test_the_app_says_how_custody_ended_and_exits_non_zero_when_it_is_not_confirmed(
+        apps: Apps, socket_dir: Path, tmp_path: Path) -> None:
+    """Found in review: at SIGTERM the C app ignored escrow_custody_close's code, and
+    exited 0 even when the end of custody was never confirmed (a custody that lapsed with
+    no holder to end it on: its sessions may be held by nobody). Now it says so, in a
+    `closed` event with the code, and exits 1; a confirmed end is `ok` and exits 0."""
+    first = start_holder(socket_dir / "ok")
+    try:
+        one = first_run(apps, first, tmp_path / "ok")
+        one.terminate()
+        assert [e for e in one.events() if e["event"] == "closed"] == [
+            {"event": "closed", "code": "ok"}]
+    finally:
+        first.stop()
+    second = start_holder(socket_dir / "gone")
+    try:
+        two = first_run(apps, second, tmp_path / "gone")
+        os.kill(second.pid, signal.SIGKILL)  # no keeper: nobody to end custody on
+        second.proc.wait()
+    finally:
+        second.stop()
+    two.wait_event("lapsed")
+    two.proc.send_signal(signal.SIGTERM)
+    assert two.proc.wait(REACT) == 1, two.stderr()
+    assert [e for e in two.events() if e["event"] == "closed"] == [
+        {"event": "closed", "code": "unavailable"}]

@@ -38,8 +38,8 @@ from escrow_client import fdpass, protocol
 SOURCE = Path(__file__).resolve().parent.parent / "client" / "c"
 # The library's files, each using only those before it (escrow_internal.h says what each is).
 LIBRARY = ["escrow_errors.c", "escrow_codec.c", "escrow_frames.c", "escrow_connect.c",
-           "escrow_journal.c", "escrow_resume.c", "escrow_custody.c", "escrow.c",
-           "escrow_retrieve_many.c", "escrow_reclaim.c", "escrow_repaint.c"]
+           "escrow_journal.c", "escrow_resume.c", "escrow_custody.c", "escrow_custody_end.c",
+           "escrow.c", "escrow_retrieve_many.c", "escrow_reclaim.c", "escrow_repaint.c"]
 WARNINGS = ["-Wall", "-Wextra", "-Werror", "-Wpedantic", "-Wshadow", "-Wstrict-prototypes"]
 SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
               "-fno-omit-frame-pointer"]

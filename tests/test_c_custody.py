@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hostile import COUNTER, assert_gap_free_from_1, numbered_lines, read_more_lines
@@ -48,7 +48,31 @@ from conftest import OWNER, HolderProcess, PtyChild, start_holder, wait_for
 from escrow_client import EscrowClient, paths, protocol
 
 
-class CApp:
+class _Driven:
+    """A driver process a test started, killed (its pipes closed) at the test's end."""
+
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None and not f.closed:
+                f.close()
+
+
+D = TypeVar("D", bound=_Driven)
+
+
+def _killed_after(started: list[D]) -> Iterator[list[D]]:
+    """For a fixture: the list a test's processes go in, each killed at its end."""
+    yield started
+    for driven in started:
+        driven.kill()
+
+
+class CApp(_Driven):
     """The driver's custody-app on a PTY child's master; its stderr events read as they come."""
 
     def __init__(self, build: Build, socket_path: str, sid: str, child: PtyChild,
@@ -108,21 +132,10 @@ class CApp:
         assert b"leaked_fds" not in self.err
         return self.proc.wait()
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if f is not None and not f.closed:
-                f.close()
-
 
 @pytest.fixture
 def c_apps() -> Iterator[list[CApp]]:
-    started: list[CApp] = []
-    yield started
-    for app in started:
-        app.kill()
+    yield from _killed_after([])
 
 
 def start(c_apps: list[CApp], *args: Any, **kwargs: Any) -> CApp:
@@ -340,7 +353,7 @@ def test_a_forked_child_of_the_c_app_holds_nothing(
 # --- a custody driven line by line (the driver's custody-script) -----------------------------
 
 
-class Script:
+class Script(_Driven):
     """The driver's custody-script: one custody, a line of stdin per call, a JSON line of
     stdout for each ({"cmd", "code", "id", "protected", "fd"})."""
 
@@ -379,14 +392,6 @@ class Script:
         assert "Sanitizer" not in err and "runtime error" not in err, err
         assert status == 0 and "leaked_fds" not in err, err
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if f is not None and not f.closed:
-                f.close()
-
     def _stderr(self) -> str:
         assert self.proc.stderr is not None
         return self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None \
@@ -395,10 +400,7 @@ class Script:
 
 @pytest.fixture
 def scripts() -> Iterator[list[Script]]:
-    started: list[Script] = []
-    yield started
-    for s in started:
-        s.kill()
+    yield from _killed_after([])
 
 
 def script(scripts: list[Script], *args: Any, **kwargs: Any) -> Script:
@@ -537,22 +539,28 @@ def _session(state: str, **fields: Any) -> protocol.SessionInfo:
                                 deposited_at=1.5, **fields)
 
 
+@pytest.mark.parametrize("journal", [False, True])
 def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_again(
     build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+    journal: bool,
 ) -> None:
     """Found in review: the holder went away between our ack and its `done`; the next one
     had adopted the handoff, and the ack sent again on a fresh connection completed it
     (out of escrow: ours alone). The C client marked it held all the same, so the resume
     gave it to nobody and said protected. Now the resume deposits it again from the
-    duplicate, and only then is the custody protected."""
+    duplicate, and only then is the custody protected. A retrieve that asked for a journal
+    asks for one again in that deposit (as custody_hold.py's does): it went without one."""
     master, slave = os.openpty()
+    file = _journal_file(b"ESCROWJL")
+    layout = protocol.Journal(capacity=65536, total=0, position=0) if journal else None
     deposits: list[protocol.Request] = []
 
     def custody(conn: socket.socket) -> None:
         _greet_keep(conn)
-        assert read(conn) == protocol.Retrieve(id="s1", keep=True)
+        assert read(conn) == protocol.Retrieve(id="s1", keep=True, journal=journal)
         send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
-                                    replay=b"R\r\n"), fd=master)
+                                    replay=b"R\r\n", journal=layout),
+             fd=[master, file] if journal else master)
         assert isinstance(read(conn), protocol.Ack)  # then the holder is gone
 
     def listing(conn: socket.socket) -> None:
@@ -569,14 +577,14 @@ def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_aga
     def resume(conn: socket.socket) -> None:
         _greet_keep(conn)
         deposits.append(read(conn))
-        send(conn, protocol.Deposited(id="s1"))
+        send(conn, protocol.Deposited(id="s1", journal=layout), fd=file if journal else None)
         conn.settimeout(20)
         assert conn.recv(1) == b"", "custody ends only when the app ends it"
 
     fake_holder = fake([custody, listing, ack_again, resume])
     try:
         app = script(scripts, build, fake_holder.path)
-        got = app.call("retrieve s1")
+        got = app.call(f"retrieve s1 {int(journal)}")
         _said(got, "ok", 0)  # ours, and not protected: no holder has it
         assert got["fd"] >= 3
         _said(app.call("resume"), "ok", 1)
@@ -584,8 +592,9 @@ def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_aga
     finally:
         os.close(master)
         os.close(slave)
-    assert [(type(d).__name__, getattr(d, "id", None)) for d in deposits] == [
-        ("Deposit", "s1")]
+        os.close(file)
+    assert [(type(d).__name__, getattr(d, "id", None), getattr(d, "journal", None))
+            for d in deposits] == [("Deposit", "s1", journal)]
 
 
 def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(
@@ -630,6 +639,34 @@ def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(
         os.close(master)
         os.close(slave)
     assert [type(r).__name__ for r in requests] == ["Update"]
+
+
+def test_a_lapsed_c_custody_answers_every_call_unavailable_and_sends_nothing(
+    build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
+) -> None:
+    """Found in review: a lapsed custody refused a retrieve or a reclaim into it with
+    ESCROW_CONFIG ("escrow_custody_resume first"), where its deposit said
+    ESCROW_UNAVAILABLE: an app that told the two apart took a lapse for its own mistake.
+    Now each is ESCROW_UNAVAILABLE, and nothing was sent (the holder hears nothing after
+    the deposit)."""
+    def custody(conn: socket.socket) -> None:
+        _greet_keep(conn)
+        assert isinstance(read(conn), protocol.Deposit)
+        send(conn, protocol.Deposited(id="s1"))  # then the holder is gone
+
+    fake_holder = fake([custody])
+    r, w = os.pipe()  # what is deposited: the fake does not look
+    try:
+        app = script(scripts, build, fake_holder.path, pass_fds=(r,))
+        _said(app.call(f"deposit s1 {r}"), "ok", 1)
+        wait_for(lambda: app.call("check")["code"] == "unavailable", 10.0, "the lapse")
+        _said(app.call("retrieve s2"), "unavailable", 0, "s2")
+        _said(app.call("reclaim"), "unavailable", 0)
+        _said(app.call(f"deposit s3 {r}"), "unavailable", 0, "s3")
+        app.end()
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_closing_a_lapsed_c_custody_ends_custody_on_the_next_holder(

@@ -15,7 +15,8 @@ memory is measured, which the sanitizer's shadow memory would blur.
   handoff id and completes it only on an ack: the client, finding it so in `list`, acks again
   on a fresh connection and is confirmed by its `done`; told `busy` (the first connection is
   still winding it up) it asks again; told `ack_late` (the holder kept it) it gives its copy
-  back, unread. A reclaim (escrow_reclaim_all) resolves its handoffs the same way.
+  back, unread. A reclaim (escrow_reclaim_all) resolves its handoffs the same way, once its
+  own connection is closed (until then the holder is still winding the handoff up: busy).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -217,3 +219,41 @@ def test_a_reclaim_whose_done_never_came_acks_its_handoff_again(
     report = next(line["report"] for line in run.lines() if "report" in line)
     assert report["failed"] == {}
     assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [(SID, True)]
+
+
+def test_a_reclaim_closes_its_connection_before_it_acks_again(
+    build: Build, socket_dir: Path, masters: list[int]
+) -> None:
+    """Found in review: a reclaim whose `done` never came asked about its handoff while its
+    own connection was still open, so a holder still winding that handoff up (it does so
+    when that connection goes) answered each ack sent again `busy`, until the timeout: the
+    session kept unconfirmed. Now the connection is closed first, as client/retrieve.py
+    closes it: the holder's `busy` ends with it, and the ack sent again is answered `done`.
+    The fake holder says busy exactly while the reclaim's connection is open."""
+    first_closed = threading.Event()
+    answers: list[str] = []
+
+    def first(peer: Peer) -> None:
+        peer.expect(protocol.Status)
+        peer.send(protocol.HolderStatus(pid=1, version="fake", started_at=0.0, socket="x"))
+        peer.expect(protocol.List)
+        peer.send(protocol.Sessions(sessions=[_info(SID, "draining")]))
+        _handed_over_then_gone(masters[0])(peer)  # no `done`: the ack goes unanswered
+        peer.until_eof()
+        first_closed.set()
+
+    def asking(peer: Peer) -> None:
+        request = peer.receive()
+        if isinstance(request, protocol.List):
+            peer.send(protocol.Sessions(sessions=[_info(SID, "handing_off", HANDOFF_ID)]))
+            return
+        assert request == protocol.Ack(id=SID, handoff_id=HANDOFF_ID), request
+        answers.append("done" if first_closed.is_set() else "busy")
+        peer.send(DONE if first_closed.is_set() else BUSY)
+
+    with FakeHolder(socket_dir, [first, asking], repeat_last=True, concurrent=True) as holder:
+        run = run_c(build, holder.socket_path, "reclaim", timeout=2.0)
+    assert run.status == 0, run.err
+    report = next(line["report"] for line in run.lines() if "report" in line)
+    assert [(r["id"], r["confirmed"]) for r in report["retrieved"]] == [(SID, True)]
+    assert answers == ["done"], "acked again only once the reclaim's connection was closed"

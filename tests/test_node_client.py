@@ -535,10 +535,11 @@ def test_every_promise_settles_while_the_holder_is_stopped_and_once_it_is_gone(
     finally:
         os.kill(holder.pid, signal.SIGCONT)
     assert len(stopped["stopped"]) == len(CALLS), stopped
-    # A fresh connection's calls time out; a custody's first call, the deposit, lapses it
-    # with no answer (kept: 'indeterminate'), and what follows is refused as a lapsed
-    # custody's (retrieve and reclaim into custody say 'config', the others 'unavailable'
-    # or, on a fresh connection, 'unresponsive').
+    # A fresh connection's calls time out. A custody's first call, the deposit, gets no
+    # answer (kept: 'indeterminate'), and its connection stays, owed that answer: what
+    # follows on it is 'unresponsive' (nothing sent), or for a reclaim into it 'config' (a
+    # 1 s timeout does not exceed this holder's drain_stop_budget + send_deadline). Once
+    # the holder is gone, every call is refused as a lapsed custody's: 'unavailable'.
     for name in ("status", "welcome", "list", "release", "update", "retrieve", "handOff"):
         assert stopped["stopped"][name] == "unresponsive", stopped
     assert stopped["stopped"]["deposit"] == "indeterminate", stopped
@@ -552,7 +553,7 @@ def test_every_promise_settles_while_the_holder_is_stopped_and_once_it_is_gone(
     # The custody's deposit of 'tab' again: it holds 'tab' already (kept, in doubt), so the
     # C custody's answer as it came, never 'indeterminate' a second time.
     assert gone.pop("deposit") in {"exists", "unavailable"}, gone
-    assert set(gone.values()) <= {"unavailable", "config"} and "ok" not in gone.values(), gone
+    assert set(gone.values()) == {"unavailable"}, gone
     for name in ("status", "welcome", "list", "release", "update", "retrieve", "handOff",
                  "reclaimAll"):
         assert gone[name] == "unavailable", gone

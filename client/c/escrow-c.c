@@ -466,6 +466,15 @@ static int cmd_custody_script(const escrow_client *c) {
                 fd = taken[n_taken++] = r.fd;
                 escrow_retrieved_free(&r);
             }
+        } else if (strcmp(cmd, "reclaim") == 0) {
+            escrow_reclaim_report report; /* [JOURNAL]: fd is how many it took */
+            rc = escrow_custody_reclaim_all(&cu, argc == 2 && atoi(argv[1]), 0, &report, &err);
+            for (size_t i = 0; i < report.n_retrieved; i++) {
+                if (n_taken < 64) taken[n_taken++] = report.retrieved[i].fd;
+                else close(report.retrieved[i].fd);
+            }
+            fd = (long)report.n_retrieved;
+            escrow_reclaim_report_free(&report);
         } else if (strcmp(cmd, "record") == 0 && argc == 3) {
             /* TEXT; @N: N bytes of lines "R<number>\n", eight bytes each; xN: N of 'X' */
             char kind = argv[2][0];

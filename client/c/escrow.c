@@ -23,26 +23,12 @@
 
 /* ---- calls with one answer (PROTOCOL.md section 8) -------------------------------------- */
 
-/* A call with one {id} answer on a greeted connection: release, update. */
-static escrow_code id_call(conn *c, mp_out *o, int fd, const char *want, const char *id,
-                           escrow_error *err) {
-    frame f;
-    double deadline = escrow__now() + c->client->timeout;
-    escrow_code rc = escrow__call(c, o, fd, want, deadline, &f, err);
-    if (rc != ESCROW_OK) return rc;
-    char got[ESCROW_NAME_MAX + 1];
-    if (escrow__decode_id(&f, got) != 0)
-        rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed %s", want);
-    escrow__frame_free(&f);
-    return rc;
-}
-
 /* update (section 10.5) on a greeted connection: {id} answered `updated{id}`. */
 static escrow_code update_on(conn *c, const char *id, int64_t cols, int64_t rows,
                              const escrow_meta *meta, size_t meta_count, escrow_error *err) {
     mp_out o = {0};
     escrow_code rc = escrow__encode_update(&o, id, cols, rows, meta, meta_count, err);
-    if (rc == ESCROW_OK) rc = id_call(c, &o, -1, "updated", id, err);
+    if (rc == ESCROW_OK) rc = escrow__call_id(c, &o, "updated", id, err);
     free(o.data);
     return rc;
 }
@@ -113,7 +99,7 @@ escrow_code escrow_release(const escrow_client *c, const char *id, escrow_error 
     escrow_code rc = escrow__connect_greet(c, &cn, escrow__now() + c->timeout, err);
     if (rc != ESCROW_OK) return rc;
     rc = escrow__encode_id(&o, "release", id, err);
-    if (rc == ESCROW_OK) rc = id_call(&cn, &o, -1, "released", id, err);
+    if (rc == ESCROW_OK) rc = escrow__call_id(&cn, &o, "released", id, err);
     free(o.data);
     escrow__conn_close(&cn);
     return rc;
@@ -153,12 +139,11 @@ static void give_back(escrow_retrieved *r) {
     escrow_retrieved_free(r);
 }
 
-/* Ack `r` again on a fresh connection (section 10.4): a holder that restarted and adopted
- * our handoff completes it there. 1 on its `done`; -1 on ack_late, the holder's words in
- * `err` (it kept the session and drains it); 0 on anything else, to ask again (busy: our
- * first connection's handoff is still being wound up; or no answer). */
-static int ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
-                     escrow_error *err) {
+/* Ack `r` again on a fresh connection, where a restarted holder completes our handoff
+ * (section 10.4): 1, -1 or 0 as escrow_internal.h says. A retrieve into custody whose
+ * `done` never came acks again with it too (escrow_retrieve_many.c). */
+int escrow__ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
+                      escrow_error *err) {
     conn cn;
     mp_out o = {0};
     frame f;
@@ -220,7 +205,7 @@ escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_
             return verdict;
         }
         if (!again) return ESCROW_OK;
-        int acked = ack_again(c, r, deadline, err);
+        int acked = escrow__ack_again(c, r, deadline, err);
         if (acked > 0) {
             r->confirmed = 1;
             return ESCROW_OK;

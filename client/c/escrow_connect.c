@@ -260,6 +260,19 @@ escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double de
     return rc != ESCROW_OK ? rc : receive(c, want, deadline, f, err);
 }
 
+/* A call whose answer is `want`{id}, within the client's timeout: release, update. */
+escrow_code escrow__call_id(conn *c, mp_out *o, const char *want, const char *id,
+                            escrow_error *err) {
+    frame f;
+    escrow_code rc = escrow__call(c, o, -1, want, escrow__now() + c->client->timeout, &f, err);
+    if (rc != ESCROW_OK) return rc;
+    char got[ESCROW_NAME_MAX + 1];
+    if (escrow__decode_id(&f, got) != 0)
+        rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed %s", want);
+    escrow__frame_free(&f);
+    return rc;
+}
+
 /* Connect, check whom we reached, and say hello (section 5). */
 escrow_code escrow__connect_greet(const escrow_client *cl, conn *c, double deadline,
                                   escrow_error *err) {

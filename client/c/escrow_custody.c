@@ -6,10 +6,8 @@
  * for each session it holds, a duplicate of the master, the deposit that escrowed it (its
  * label, child, size and meta, kept current by update) and its journal (10.6), so that when
  * the holder goes away it can take custody back on the next one (escrow_resume.c, 10.4).
- * A session retrieved into custody (12.6) is kept as if deposited. Closing a custody that
- * lapsed, or is owed an answer, is confirmed as the Python client's (custody_end.py): what
- * the holder's list still shows held by this process, or does not know, is taken back with
- * its journal stopped and its custody ended again, within the one timeout.
+ * A session retrieved into custody (12.6) is kept as if deposited. How custody ends, and how
+ * that end is confirmed, is escrow_custody_end.c's.
  *
  * No threads and no signals: the app watches escrow_custody_fd in its own loop. Every call
  * here goes through escrow__custody_call, which keeps the connection in step: a call that
@@ -26,11 +24,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 /* ---- the kept table ----------------------------------------------------------------------- */
@@ -126,24 +122,27 @@ static escrow_kept *kept_add(escrow_custody *cu, const escrow_kept *k) {
     return &cu->kept[cu->n_kept++];
 }
 
-static void kept_drop(escrow_custody *cu, escrow_kept *k) {
+void escrow__custody_drop(escrow_custody *cu, escrow_kept *k) {
     kept_free(k);
     *k = cu->kept[--cu->n_kept];
 }
 
-static void drop_all(escrow_custody *cu) {
+void escrow__custody_forget(escrow_custody *cu) {
     for (size_t i = 0; i < cu->n_kept; i++) kept_free(&cu->kept[i]);
     free(cu->kept);
     cu->kept = NULL;
     cu->n_kept = cu->cap_kept = 0;
+    cu->lapsed = cu->unkept = 0;
+    cu->owed = ESCROW__OWED_NONE; /* a late answer went with the connection */
 }
 
-static escrow_code usable(const escrow_custody *cu, const char *id, escrow_error *err) {
+escrow_code escrow__custody_connected(const escrow_custody *cu, const char *id,
+                                      escrow_error *err) {
     if (cu->sock >= 0) return ESCROW_OK;
     if (cu->lapsed)
         return escrow__fail(err, ESCROW_UNAVAILABLE, 0, id,
-                            "custody lapsed (the holder went away): escrow_custody_resume "
-                            "first");
+                            "custody lapsed (the holder went away): nothing was sent; "
+                            "escrow_custody_resume first");
     return escrow__fail(err, ESCROW_CONFIG, 0, id, "this custody is closed");
 }
 
@@ -157,7 +156,7 @@ escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err) {
     static const escrow_deposit_opts none = {NULL, 0, 0, 0, NULL, 0, 0};
     escrow_kept k;
-    escrow_code rc = usable(cu, id, err);
+    escrow_code rc = escrow__custody_connected(cu, id, err);
     if (rc != ESCROW_OK) return rc;
     if (opts == NULL) opts = &none;
     if (find(cu, id) != NULL)
@@ -181,21 +180,8 @@ escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
     return rc;
 }
 
-/* A call with one {id} answer on a greeted connection of its own: release, update. */
-static escrow_code one_answer(conn *c, mp_out *o, const char *want, const char *id,
-                              escrow_error *err) {
-    frame f;
-    escrow_code rc = escrow__call(c, o, -1, want, escrow__now() + c->client->timeout, &f, err);
-    if (rc != ESCROW_OK) return rc;
-    char got[ESCROW_NAME_MAX + 1];
-    if (escrow__decode_id(&f, got) != 0)
-        rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed %s", want);
-    escrow__frame_free(&f);
-    return rc;
-}
-
-/* The same on the custody's connection (kept in step: a late answer is owed, not taken for
- * the next call's). While it is lapsed, on a connection of its own (any connection of the
+/* A call with one {id} answer on the custody's connection (kept in step: a late answer is
+ * owed, not taken for the next call's). While it is lapsed, on a connection of its own (any connection of the
  * owner may release or update any session: 10.2, 10.5). */
 static escrow_code id_call(escrow_custody *cu, mp_out *o, const char *want, int kind,
                            const char *id, escrow_error *err) {
@@ -203,7 +189,7 @@ static escrow_code id_call(escrow_custody *cu, mp_out *o, const char *want, int 
         conn cn;
         escrow_code rc = escrow__connect_greet(cu->client, &cn,
                                                escrow__now() + cu->client->timeout, err);
-        if (rc == ESCROW_OK) rc = one_answer(&cn, o, want, id, err);
+        if (rc == ESCROW_OK) rc = escrow__call_id(&cn, o, want, id, err);
         escrow__conn_close(&cn);
         return rc;
     }
@@ -234,12 +220,12 @@ static escrow_code in_step(escrow_custody *cu, const char *id, escrow_error *err
 
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err) {
     mp_out o = {0};
-    escrow_code rc = usable(cu, id, err);
+    escrow_code rc = escrow__custody_connected(cu, id, err);
     if (rc != ESCROW_OK && !cu->lapsed) return rc;
     if ((rc = in_step(cu, id, err)) != ESCROW_OK) return rc;
     escrow_kept *k = find(cu, id);
     int pending = k != NULL && !k->held;
-    if (k != NULL) kept_drop(cu, k); /* its journal stops before the holder hears (10.6) */
+    if (k != NULL) escrow__custody_drop(cu, k); /* its journal stops before the holder hears (10.6) */
     rc = escrow__encode_id(&o, "release", id, err);
     if (rc == ESCROW_OK) rc = id_call(cu, &o, "released", ESCROW__OWED_RELEASE, id, err);
     free(o.data);
@@ -251,7 +237,7 @@ escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t co
                                   const escrow_meta *meta, size_t meta_count,
                                   escrow_error *err) {
     mp_out o = {0};
-    escrow_code rc = usable(cu, id, err);
+    escrow_code rc = escrow__custody_connected(cu, id, err);
     if (rc != ESCROW_OK && !cu->lapsed) return rc;
     if ((rc = in_step(cu, id, err)) != ESCROW_OK) return rc;
     rc = escrow__encode_update(&o, id, cols, rows, meta, meta_count, err);
@@ -276,135 +262,13 @@ escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t co
     return rc;
 }
 
-/* Our side shut down, then the holder's end of stream awaited: it closes its side once it
- * has ended our custody, and every session held here is draining by then. Nothing else
- * arrives after our SHUT_WR (section 11). The connection is closed after. */
-static void finish(escrow_custody *cu, double deadline) {
-    if (shutdown(cu->sock, SHUT_WR) == 0) {
-        unsigned char sink[256];
-        for (;;) {
-            ssize_t n = recv(cu->sock, sink, sizeof sink, 0);
-            if (n == 0) break;
-            if (n > 0 || errno == EINTR) continue;
-            if ((errno != EAGAIN && errno != EWOULDBLOCK) ||
-                escrow__wait_io(cu->sock, POLLIN, deadline) != 0)
-                break; /* the holder acts on our hang-up anyway; waiting was a courtesy */
-        }
-    }
-    escrow__conn_close(cu);
-}
-
-/* Our owner's sessions, asked on a connection of its own (section 8.1). */
-static escrow_code list_ours(const escrow_client *cl, escrow_session **all, size_t *n) {
-    conn cn;
-    mp_out o = {0};
-    frame f;
-    escrow_error why;
-    double deadline = escrow__now() + cl->timeout;
-    *all = NULL;
-    *n = 0;
-    escrow_code rc = escrow__connect_greet(cl, &cn, deadline, &why);
-    if (rc != ESCROW_OK) return rc;
-    rc = escrow__encode_list(&o, 0, &why);
-    if (rc == ESCROW_OK) rc = escrow__call(&cn, &o, -1, "sessions", deadline, &f, &why);
-    free(o.data);
-    escrow__conn_close(&cn);
-    if (rc != ESCROW_OK) return rc;
-    if (escrow__decode_sessions(&f, all, n) != 0) {
-        escrow_sessions_free(*all, *n);
-        *all = NULL;
-        *n = 0;
-        rc = ESCROW_PROTOCOL;
-    }
-    escrow__frame_free(&f);
-    return rc;
-}
-
-/* Drop each kept session whose end of custody the holder's list confirms (draining, being
- * retrieved, exited, or ended by someone); 1 when none is left. A session still held by
- * this process (a holder that restarted before it saw the end, and adopted it), not listed
- * (a holder that lost it), or only a tombstone of an earlier one of that id for the deposit
- * that was owed its answer (it never arrived) stays, as all do if the list cannot be had. */
-static int confirmed(escrow_custody *cu, const char *pending) {
-    escrow_session *all = NULL;
-    size_t n = 0;
-    if (cu->n_kept == 0) return 1;
-    if (list_ours(cu->client, &all, &n) != ESCROW_OK) return 0;
-    for (size_t i = cu->n_kept; i-- > 0;) {
-        escrow_kept *k = &cu->kept[i];
-        const escrow_session *s = NULL;
-        for (size_t j = 0; j < n && s == NULL; j++)
-            if (strcmp(all[j].id, k->id) == 0) s = &all[j];
-        int ours = s != NULL && strcmp(s->state, "held") == 0 &&
-                   s->custodian_pid == (int64_t)getpid();
-        int tombstone = s != NULL && (strcmp(s->state, "handed_off") == 0 ||
-                                      strcmp(s->state, "released") == 0 ||
-                                      strcmp(s->state, "expired") == 0);
-        if (s != NULL && !ours && !(tombstone && strcmp(k->id, pending) == 0))
-            kept_drop(cu, k);
-    }
-    escrow_sessions_free(all, n);
-    return cu->n_kept == 0;
-}
-
-escrow_code escrow_custody_close(escrow_custody *cu) {
-    /* The journals stop before custody ends: from then on each ring is the holder's, and
-     * they stay stopped through any custody taken back below. */
-    for (size_t i = 0; i < cu->n_kept; i++) {
-        escrow__journal_unmap(&cu->kept[i].journal);
-        cu->kept[i].journal_asked = 0;
-    }
-    escrow_code rc = ESCROW_OK;
-    const escrow_client *own = cu->client;
-    if (cu->lapsed || cu->owed != ESCROW__OWED_NONE) {
-        /* What the holder made of us is not known: see it confirmed (custody_end.py), every
-         * call bounded by what is left of the one timeout. */
-        char pending[ESCROW_NAME_MAX + 1] = "";
-        if (cu->owed == ESCROW__OWED_DEPOSIT) snprintf(pending, sizeof pending, "%s", cu->owed_id);
-        double deadline = escrow__now() + own->timeout;
-        escrow_client bounded = *own;
-        int pause_ms = escrow_custody_retry_ms(cu);
-        cu->client = &bounded;
-        for (;;) {
-            if (cu->sock >= 0) finish(cu, deadline);
-            bounded.timeout = deadline - escrow__now();
-            if (bounded.timeout > 0 && confirmed(cu, pending)) break;
-            int left = escrow__ms_left(deadline);
-            if (left <= 0) {
-                rc = ESCROW_UNAVAILABLE;
-                break;
-            }
-            /* A holder that restarted before it saw the end: custody taken back, ended
-             * again. The owed deposit is settled on that connection or deposited again. */
-            poll(NULL, 0, pause_ms < left ? pause_ms : left);
-            pause_ms = pause_ms * 2 < 2000 ? pause_ms * 2 : 2000;
-            bounded.timeout = deadline - escrow__now();
-            if (bounded.timeout <= 0) continue;
-            cu->owed = ESCROW__OWED_NONE;
-            for (size_t i = 0; i < cu->n_kept; i++) cu->kept[i].held = 0;
-            cu->lapsed = 1;
-            (void)escrow_custody_resume(cu, NULL); /* what it takes back is ended above */
-            for (size_t i = 0; i < cu->n_kept; i++) escrow__journal_unmap(&cu->kept[i].journal);
-        }
-        cu->client = own;
-    } else if (cu->sock >= 0) {
-        finish(cu, escrow__now() + own->timeout);
-    }
-    drop_all(cu); /* the app must not read them again: the holder does */
-    cu->lapsed = cu->unkept = 0;
-    cu->owed = ESCROW__OWED_NONE; /* a late answer went with the connection */
-    return rc;
-}
-
 void escrow_custody_close_in_child(escrow_custody *cu) {
     escrow__conn_close(cu);
     /* With MADV_DONTFORK the child has no such mapping: unmapping the range could take
      * whatever the child mapped there since. */
     for (size_t i = 0; i < cu->n_kept; i++)
         if (cu->kept[i].journal.dontfork) cu->kept[i].journal.base = NULL;
-    drop_all(cu);
-    cu->lapsed = cu->unkept = 0;
-    cu->owed = ESCROW__OWED_NONE;
+    escrow__custody_forget(cu);
 }
 
 /* ---- the journal of a held session (PROTOCOL.md 10.6) ------------------------------------- */
@@ -439,9 +303,9 @@ int escrow_custody_journaled(const escrow_custody *cu, const char *id) {
 
 /* ---- sessions retrieved into custody (PROTOCOL.md 12.6) ----------------------------------- */
 
-escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
-                                         int journal_fd, const journal_info *info, int held,
-                                         escrow_error *err) {
+escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal,
+                                 int journal_fd, const journal_info *info, int held,
+                                 escrow_error *err) {
     escrow_kept k;
     const escrow_session *s = &r->session;
     memset(&k, 0, sizeof k);
@@ -454,7 +318,7 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
         /* Without a duplicate it is kept all the same (its deposit, its journal): held by
          * us, read through r->fd, and unprotected until released, since no resume can give
          * it to the next holder (escrow_custody_protected says so). */
-        k.journal_asked = journal_fd >= 0;
+        k.journal_asked = journal != 0; /* a deposit again asks as the retrieve did */
         k.held = held;
         if (held && journal_fd >= 0 && k.fd >= 0 &&
             escrow__journal_map(&k.journal, journal_fd, info,
@@ -476,11 +340,6 @@ escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r
     }
     if (journal_fd >= 0) close(journal_fd);
     return rc;
-}
-
-escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
-                                 int held, escrow_error *err) {
-    return escrow__custody_keep_journal(cu, r, journal_fd, NULL, held, err);
 }
 
 /* ---- whether a session is kept (PROTOCOL.md 10.2, 10.4) ----------------------------------- */

@@ -19,6 +19,9 @@
  *                     resume, the back-off (sections 10.4 and 5)
  *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
  *                     session, its journal (sections 10.2, 10.5, 10.6, 12.6)
+ *   escrow_custody_end.c
+ *                     the end of custody, confirmed by the holder's list where the custody
+ *                     lapsed or is owed an answer (sections 10.2, 10.4 and 11)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
  *   escrow_retrieve_many.c
@@ -178,6 +181,10 @@ escrow_code escrow__connect_greet(const escrow_client *cl, conn *c, double deadl
 void escrow__conn_close(conn *c);
 escrow_code escrow__call(conn *c, mp_out *o, int fd, const char *want, double deadline,
                          frame *f, escrow_error *err);
+/* The same with no fd, within the client's timeout, for an answer `want`{id}: release,
+ * update (a malformed one is ESCROW_PROTOCOL, naming `id`). */
+escrow_code escrow__call_id(conn *c, mp_out *o, const char *want, const char *id,
+                            escrow_error *err);
 escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const char *id,
                                         escrow_error *err);
 
@@ -186,6 +193,13 @@ escrow_code escrow__check_retrieve_time(const conn *c, double deadline, const ch
 /* `done` never came for `r` (acked, its fd held unread): the table of 12.3, on a fresh
  * connection. On any code but ESCROW_OK the fd was closed and `r` freed. */
 escrow_code escrow__resolve(const escrow_client *c, escrow_retrieved *r, escrow_error *err);
+/* Ack `r` (not into custody) again on a fresh connection (section 10.4): a holder that
+ * restarted and adopted our handoff completes it there. 1 on its `done`; -1 on ack_late,
+ * the holder's words in `err` when not NULL (it kept the session and drains it); 0 on
+ * anything else, to ask again (busy: our first connection's handoff is still being wound
+ * up; or no answer). */
+int escrow__ack_again(const escrow_client *c, const escrow_retrieved *r, double deadline,
+                      escrow_error *err);
 
 /* ---- escrow_journal.c: the journal writer (section 10.6) -------------------------------- */
 
@@ -260,23 +274,31 @@ void escrow__custody_lost(escrow_custody *cu);
 /* ---- escrow_custody.c: what a custody keeps (sections 10.2, 12.6) ------------------------ */
 
 /* A session retrieved into custody `cu`: keep a duplicate of r->fd, the session's deposit
- * (from r->session: label, child_pid, size, meta) and, when `journal_fd` >= 0, map that
- * journal file (closing it) and set r->journal. `held` 1: its `done` came, or the holder
- * says it is held by us, on the custody's connection, still open; 0: that connection is
- * gone, or the holder has no copy (alone, out of escrow): it is deposited again from the
- * duplicate at once when the connection can take it, else by the next resume (the custody
- * lapsed until then), and no journal is mapped meanwhile. ESCROW_SYSTEM if it cannot keep
- * it: the session is ours all the same, and escrow_custody_protected stays 0 until it is
- * released (a resume cannot give it to the next holder). */
-escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal_fd,
-                                 int held, escrow_error *err);
-/* The same, with the handoff's Journal checked against the file (section 10.6). */
-escrow_code escrow__custody_keep_journal(escrow_custody *cu, escrow_retrieved *r,
-                                         int journal_fd, const journal_info *info, int held,
-                                         escrow_error *err);
+ * (from r->session: label, child_pid, size, meta; `journal` 1: the retrieve asked for a
+ * journal, and every deposit of it again asks for one) and, when `journal_fd` >= 0, map
+ * that journal file (closing it; `info` the handoff's Journal, checked against the file:
+ * section 10.6) and set r->journal. `held` 1: its `done` came, or the holder says it is
+ * held by us, on the custody's connection, still open; 0: that connection is gone, or the
+ * holder has no copy (alone, out of escrow): it is deposited again from the duplicate at
+ * once when the connection can take it, else by the next resume (the custody lapsed until
+ * then), and no journal is mapped meanwhile. ESCROW_SYSTEM if it cannot keep it: the
+ * session is ours all the same, and escrow_custody_protected stays 0 until it is released
+ * (a resume cannot give it to the next holder). */
+escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int journal,
+                                 int journal_fd, const journal_info *info, int held,
+                                 escrow_error *err);
+/* ESCROW_OK while `cu` has a connection; else, naming `id`, ESCROW_UNAVAILABLE while it is
+ * lapsed (nothing sent: escrow_custody_resume first), ESCROW_CONFIG once it is closed. */
+escrow_code escrow__custody_connected(const escrow_custody *cu, const char *id,
+                                      escrow_error *err);
 /* 1: `cu` keeps session `id` (its duplicate, for the next holder), settled or not: the
  * custody holds it; 0: it does not (never deposited, refused, released). */
 int escrow__custody_keeps(const escrow_custody *cu, const char *id);
+/* Kept session `k` dropped from the table: its journal unmapped, its duplicate closed. */
+void escrow__custody_drop(escrow_custody *cu, escrow_kept *k);
+/* Every kept session dropped so, and the custody as if it never held any (nothing owed, not
+ * lapsed): what closing it leaves, its connection closed first. */
+void escrow__custody_forget(escrow_custody *cu);
 
 /* ---- escrow_retrieve_many.c: one exchange (sections 12.2, 12.3, 12.6, 12.7) ------------- */
 
@@ -288,7 +310,8 @@ int escrow__custody_keeps(const escrow_custody *cu, const char *id);
 escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids, size_t n,
                              int journal, double deadline, escrow_reclaim_report *into,
                              escrow_error *errs);
-/* ESCROW_CONFIG, naming `id`, unless `cu` has a connection to a holder with "keep". */
+/* As escrow__custody_connected, then ESCROW_CONFIG, naming `id`, unless the holder it is
+ * connected to has "keep". */
 escrow_code escrow__custody_usable(escrow_custody *cu, const char *id, escrow_error *err);
 
 #endif

@@ -10,7 +10,8 @@
  * back now and the connection stays in step (a custody's must stay open). A refused ack
  * (`ack_late`, `bad_request`) closes those copies: the holder drains them again. A `done`
  * that never comes is asked about on a fresh connection: 12.3 out of escrow
- * (escrow__resolve), 12.6 into custody (`resolve_kept`).
+ * (escrow__resolve, once the exchange's own connection is closed), 12.6 into custody
+ * (`resolve_kept`).
  *
  * Into custody (`keep`), the exchange runs on the custody's connection, and every session
  * done is given to escrow__custody_keep (with its journal file, when the handoff had one),
@@ -60,22 +61,6 @@ static int report_take(escrow_reclaim_report *r, escrow_retrieved *got) {
 
 /* ---- 12.6: a `done` that never came, into custody --------------------------------------- */
 
-/* Ack `t` again on a fresh connection: 1 once the holder answered `done` (the session is
- * then ours alone); 0 to ask again; -1 on ack_late (the holder is draining it again). */
-static int ack_again(const escrow_client *c, const taken *t, double deadline) {
-    conn cn;
-    mp_out o = {0};
-    frame f;
-    escrow_error e;
-    if (escrow__connect_greet(c, &cn, deadline, NULL) != ESCROW_OK) return 0;
-    escrow_code rc = escrow__encode_ack(&o, t->r.session.id, t->r.handoff_id, 0, NULL);
-    if (rc == ESCROW_OK) rc = escrow__call(&cn, &o, -1, "done", deadline, &f, &e);
-    free(o.data);
-    escrow__conn_close(&cn);
-    if (rc == ESCROW_OK) escrow__frame_free(&f);
-    return rc == ESCROW_OK ? 1 : rc == ESCROW_ACK_LATE ? -1 : 0;
-}
-
 /* Whether the holder has `t` held for this process (ESCROW_OK, confirmed), has no copy of it
  * (ESCROW_OK, confirmed, its journal file closed: ours alone, to be deposited again), or
  * kept it or cannot say (the code, our copies closed: it may be draining). */
@@ -97,7 +82,7 @@ static escrow_code resolve_kept(const escrow_client *c, taken *t, escrow_error *
                              strcmp(s->handoff_id, t->r.handoff_id) == 0;
         if ((asked && !ours_under_way) || escrow__ms_left(deadline) < 50) break;
         if (ours_under_way) {
-            int acked = ack_again(c, t, deadline);
+            int acked = escrow__ack_again(c, &t->r, deadline, NULL);
             if (acked < 0) break; /* ack_late: drained again; our copy goes below */
             if (acked > 0) {
                 s = NULL; /* the holder let go: alone, below */
@@ -252,8 +237,7 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
          * deposit is that deposit's, not this call's). */
         (void)escrow__custody_in_step(cu, deadline, &whole);
         if (cu->sock < 0)
-            rc = escrow__fail(&whole, ESCROW_UNAVAILABLE, 0, ids[0], "custody lapsed (the "
-                              "holder went away): escrow_custody_resume first");
+            rc = escrow__custody_connected(cu, ids[0], &whole);
         else if (cu->owed != ESCROW__OWED_NONE)
             rc = escrow__fail(&whole, ESCROW_UNRESPONSIVE, ETIMEDOUT, ids[0],
                               "the holder has not answered the call before (on %s) in time: "
@@ -361,7 +345,10 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
     if (rc != ESCROW_OK) {
         /* No answer, or the stream out of step (or the whole request refused: then nothing
          * was handed off). With `keep` the custody's connection is lost; asked first, while
-         * it still holds what it held. */
+         * it still holds what it held. Without, ours is closed first (client/retrieve.py):
+         * the holder winds our handoff up when it goes, and answers an ack sent again on a
+         * fresh connection `busy` until then. */
+        if (lost && cu == NULL) escrow__conn_close(c);
         for (size_t i = 0; i < n_got; i++) {
             taken *t = &got[i];
             if (t->r.fd < 0 || t->r.confirmed) continue;
@@ -382,7 +369,6 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
                 snprintf(errs[i].id, sizeof errs[i].id, "%s", ids[i]);
             }
         if (lost && cu != NULL) escrow__custody_lost(cu);
-        else if (lost) escrow__conn_close(c);
     }
     /* What was taken is the report's (and the custody's). */
     for (size_t i = 0; i < n_got; i++) {
@@ -393,9 +379,9 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
              * copy: then it is deposited again. Unprotected if it cannot be kept: ours all
              * the same. */
             escrow_error ignored;
-            escrow__custody_keep_journal(cu, &t->r, t->journal_fd,
-                                         t->journal_fd >= 0 ? &t->journal : NULL,
-                                         cu->sock >= 0 && !t->alone, &ignored);
+            escrow__custody_keep(cu, &t->r, journal, t->journal_fd,
+                                 t->journal_fd >= 0 ? &t->journal : NULL,
+                                 cu->sock >= 0 && !t->alone, &ignored);
         } else if (t->journal_fd >= 0) {
             close(t->journal_fd); /* unasked: this client writes no journal out of custody */
         }
@@ -413,9 +399,8 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
 /* ---- retrieve into custody (PROTOCOL.md 12.6) ------------------------------------------- */
 
 escrow_code escrow__custody_usable(escrow_custody *cu, const char *id, escrow_error *err) {
-    if (cu->sock < 0)
-        return escrow__fail(err, ESCROW_CONFIG, 0, id,
-                            "this custody has no connection: escrow_custody_resume first");
+    escrow_code rc = escrow__custody_connected(cu, id, err);
+    if (rc != ESCROW_OK) return rc;
     if (!escrow_has_feature(&cu->welcome, "keep"))
         return escrow__fail(err, ESCROW_CONFIG, 0, id,
                             "the holder (version %s) cannot retrieve into custody (keep): it "

@@ -14,8 +14,8 @@ const here = __dirname;
 const c = path.join(here, '..', 'c');
 // The library's files, in client/c/README.md's order, then the test-vector aid.
 const library = ['escrow_errors.c', 'escrow_codec.c', 'escrow_frames.c', 'escrow_connect.c',
-  'escrow_journal.c', 'escrow_resume.c', 'escrow_custody.c', 'escrow.c', 'escrow_retrieve_many.c',
-  'escrow_reclaim.c', 'escrow_repaint.c', 'vector_args.c'];
+  'escrow_journal.c', 'escrow_resume.c', 'escrow_custody.c', 'escrow_custody_end.c', 'escrow.c',
+  'escrow_retrieve_many.c', 'escrow_reclaim.c', 'escrow_repaint.c', 'vector_args.c'];
 
 function nodeIncludes() {
   const candidates = [

@@ -13,8 +13,10 @@
  * Its "screen" is a file: DIR/<id>.<pid>.out is what this run showed of the session (the
  * replay, then every byte read). DIR/events says what happened, a JSON line each, written
  * with one write(2) on an O_APPEND fd, so that a SIGKILL never leaves half a line.
- * SIGTERM ends custody (the holder drains the sessions until the next launch) and exits 0,
- * after checking that no fd is left open; a SIGKILL is a crash, which the holder survives.
+ * SIGTERM ends custody (the holder drains the sessions until the next launch), says so in
+ * a `closed` event with escrow_custody_close's code, and exits 0 once that end is confirmed
+ * and no fd is left open (1: not confirmed, 98: an fd left open); a SIGKILL is a crash,
+ * which the holder survives.
  *
  * Built by tests/test_c_app.py against the C client's files, and run through the scenarios
  * of tests/app_scenarios.py.
@@ -335,8 +337,13 @@ int main(int argc, char **argv) {
         if (!reclaimed(&a, news[i])) create(&a, &cu, news[i]);
     run(&a, &cu);
 
-    escrow_custody_close(&cu); /* the holder drains every session until the next launch */
+    /* The holder drains every session until the next launch; not confirmed (a custody that
+     * lapsed and found no holder to end it on): they may be held by nobody, and the exit
+     * status says so to whoever stops the app. */
+    escrow_code closed = escrow_custody_close(&cu);
+    event(&a, "{\"event\": \"closed\", \"code\": \"%s\"}", escrow_code_name(closed));
     for (size_t i = 0; i < a.n; i++) close(a.sessions[i].master), close(a.sessions[i].screen);
     close(a.events), close(term_pipe[0]), close(term_pipe[1]);
-    return fds_left() == 0 ? 0 : 98;
+    if (fds_left() != 0) return 98;
+    return closed == ESCROW_OK ? 0 : 1;
 }
