@@ -797,3 +797,38 @@ def test_a_second_close_is_the_first_ones_promise_and_ends_custody(
       say({same: first === second, state});
     """)
     assert line == {"same": True, "state": "draining"}
+
+
+# --- a close that could not be confirmed, and the watcher while a holder is stopped ---------------
+
+
+def test_a_lapsed_custody_closed_with_no_holder_to_confirm_it_rejects(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    """The holder goes away and none comes back: close() ends custody all the same, but
+    rejects ('unavailable', unconfirmed), where it resolved as if every session drained."""
+    gone = threading.Event()
+
+    def first(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        assert gone.wait(15)
+
+    with _fake_holder(tmp_path, [first]) as fake:
+        app = node_apps(package, """
+          const c = new escrow.EscrowClient({owner: client.owner, socket: client.socket,
+                                             timeout: 1});
+          const custody = await c.openCustody();
+          const t = escrow._pty.open();
+          await custody.deposit('tab', t.master, {});
+          const lapsed = new Promise((r) => custody.once('lapsed', r));
+          say({deposited: true});
+          await lapsed;
+          try { await custody.close(); say({close: 'resolved'}); }
+          catch (e) { say({close: 'rejected', code: e.code, message: e.message,
+                           again: await custody.close().then(() => 'resolved', (e) => e.code)}); }
+        """, fake.socket_path)
+        assert app.next("the deposit") == {"deposited": True}
+        gone.set()
+        said = app.next("the close", timeout=30.0)
+        assert said["close"] == "rejected" and said["code"] == "unavailable", said
+        assert "unconfirmed" in said["message"] and said["again"] == "unavailable", said
+        assert app.wait() == 0

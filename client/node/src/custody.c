@@ -95,7 +95,14 @@ void escrow__node_custody_execute(escrow__node_op *op) {
                                        op->meta.given ? op->meta.entries : NULL, op->meta.count,
                                        e);
         break;
-    case OP_CUSTODY_CLOSE: escrow_custody_close(cu); break;
+    case OP_CUSTODY_CLOSE:
+        /* Closed either way; a close that could not confirm it (a lapsed custody, no holder
+         * that says it has each session) must not look like one that did. */
+        if ((op->rc = escrow_custody_close(cu)) != ESCROW_OK)
+            escrow__fail(e, op->rc, 0, NULL,
+                         "custody ended unconfirmed: sessions may be held by nobody (no holder "
+                         "confirmed within the timeout that each is draining)");
+        break;
     case OP_CUSTODY_RETRIEVE:
         op->rc = escrow_custody_retrieve(cu, op->id, op->flag, &op->out.retrieved, e);
         break;
