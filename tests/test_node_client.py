@@ -941,3 +941,36 @@ def test_a_late_answer_half_arrived_is_read_off_the_main_thread(
     polls = _polls_between_marks(log, said["pid"])
     assert polls, "the late answer was read"
     assert [p for p in polls if p[0] == said["pid"] and p[1] != 0] == [], polls
+
+
+def test_a_session_retrieved_with_no_room_for_its_duplicate_is_read_never_ended(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp],
+) -> None:
+    """At the fd limit a retrieve into custody keeps no duplicate (escrow_custody_read says
+    EBADF): the custody reads the fd the retrieve gave, 'data', where it said 'end' of a
+    live terminal."""
+    child = counter(pty_children)
+    holder.client().hand_off("tab", child.master, child_pid=child.pid)
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining")
+    app = node_apps(package, """
+        const fs = require('node:fs');
+        const custody = await client.openCustody();
+        const said = [];
+        custody.on('end', (id, errno) => { said.push('end'); say({end: errno}); });
+        custody.on('data', (id) => { said.push('data'); if (said.length === 5) say({said}); });
+        const fillers = [];
+        try { for (;;) fillers.push(fs.openSync('/dev/null', 'r')); } catch (e) {}
+        fs.closeSync(fillers.pop());  // room for the master alone
+        const r = await custody.retrieve('tab', {journal: false});
+        for (const f of fillers) fs.closeSync(f);
+        say({held: custody.fd('tab') === r.fd, protected: custody.protected});
+        custody.startReading('tab');
+        await next();
+        await custody.release('tab');
+        await custody.close();
+    """, holder.socket, prefix=(require_program("prlimit"), "--nofile=64"))
+    assert app.next("the retrieve") == {"held": True, "protected": False}
+    assert app.next("its output") == {"said": ["data"] * 5}
+    app.send()
+    assert app.wait() == 0
