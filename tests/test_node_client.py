@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import struct
@@ -70,7 +71,7 @@ class NodeApp:
     """A Node program over the package: JSON lines out, lines in."""
 
     def __init__(self, package: Path, script: str, socket: str,
-                 pass_fds: tuple[int, ...] = ()) -> None:
+                 pass_fds: tuple[int, ...] = (), prefix: tuple[str, ...] = ()) -> None:
         prelude = (f"const escrow = require({str(package)!r});\n"
                    f"const client = new escrow.EscrowClient({{owner: {OWNER!r}, "
                    f"socket: {socket!r}}});\n"
@@ -80,8 +81,8 @@ class NodeApp:
                    "const next = () => new Promise((r) => lines.once('line', r));\n"
                    "const fail = (e) => { say({error: e.code || String(e), id: e.id, "
                    "errno: e.errno, message: e.message}); process.exit(1); };\n")
-        self.proc = subprocess.Popen(["node", "-e", prelude + f"(async () => {{ {script} }})()"
-                                      ".then(() => process.exit(0), fail);"],
+        program = prelude + f"(async () => {{ {script} }})().then(() => process.exit(0), fail);"
+        self.proc = subprocess.Popen([*prefix, "node", "-e", program],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, pass_fds=pass_fds)
         self.buffer = b""
@@ -798,3 +799,179 @@ def test_a_second_close_is_the_first_ones_promise_and_ends_custody(
       say({same: first === second, state});
     """)
     assert line == {"same": True, "state": "draining"}
+
+
+# --- a close that could not be confirmed, and the watcher while a holder is stopped ---------------
+
+
+def test_a_lapsed_custody_closed_with_no_holder_to_confirm_it_rejects(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    """The holder goes away and none comes back: close() ends custody all the same, but
+    rejects ('unavailable', unconfirmed), where it resolved as if every session drained."""
+    gone = threading.Event()
+
+    def first(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        assert gone.wait(15)
+
+    with _fake_holder(tmp_path, [first]) as fake:
+        app = node_apps(package, """
+          const c = new escrow.EscrowClient({owner: client.owner, socket: client.socket,
+                                             timeout: 1});
+          const custody = await c.openCustody();
+          const t = escrow._pty.open();
+          await custody.deposit('tab', t.master, {});
+          const lapsed = new Promise((r) => custody.once('lapsed', r));
+          say({deposited: true});
+          await lapsed;
+          try { await custody.close(); say({close: 'resolved'}); }
+          catch (e) { say({close: 'rejected', code: e.code, message: e.message,
+                           again: await custody.close().then(() => 'resolved', (e) => e.code)}); }
+        """, fake.socket_path)
+        assert app.next("the deposit") == {"deposited": True}
+        gone.set()
+        said = app.next("the close", timeout=30.0)
+        assert said["close"] == "rejected" and said["code"] == "unavailable", said
+        assert "unconfirmed" in said["message"] and said["again"] == "unavailable", said
+        assert app.wait() == 0
+
+
+def _traced(log: Path) -> tuple[str, ...]:
+    """Run a Node app under strace, its poll(2) calls and its marks (kill(pid, 0)) in log."""
+    return (require_program("strace"), "-f", "-qq", "-e", "trace=poll,kill", "-o", str(log))
+
+
+def _polls_between_marks(log: Path, pid: int) -> list[tuple[int, int]]:
+    """(thread, timeout ms) of each poll(2) the app entered between its two marks."""
+    lines = log.read_text().splitlines()
+    marks = [i for i, line in enumerate(lines) if f"kill({pid}, 0" in line]
+    assert len(marks) >= 2, lines[-20:]
+    polls = []
+    for line in lines[marks[0] + 1:marks[1]]:
+        found = re.match(r"(\d+)\s+poll\(\[.*?\], \d+, (-?\d+)", line)
+        if found:
+            polls.append((int(found.group(1)), int(found.group(2))))
+    return polls
+
+
+def test_a_call_owed_its_answer_by_a_stopped_holder_leaves_the_reads_alone(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp], tmp_path: Path,
+) -> None:
+    """An update times out on a SIGSTOPped holder: the connection stays open, owed the
+    answer. The watcher tries no resume meanwhile (each waited for that answer up to the
+    timeout, every read paused): while the app reads 100 more times not one poll(2) is made
+    (strace). Once the holder runs again, the late answer makes it 'protected'."""
+    child = counter(pty_children)
+    log = tmp_path / "strace"
+    app = node_apps(package, f"""
+        const c = new escrow.EscrowClient({{owner: client.owner, socket: client.socket,
+                                           timeout: 1}});
+        const custody = await c.openCustody();
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}}});
+        let lines = 0, enough = null;
+        custody.on('data', (id, data) => {{
+          lines += 1;  // a read each: a backlog read at once is one
+          if (enough !== null && lines >= 100) {{ enough(); enough = null; }}
+        }});
+        custody.startReading('tab');
+        say({{held: true}}); await next();
+        const back = new Promise((r) => custody.once('protected', r));
+        try {{ await custody.update('tab', {{cols: 81}}); say({{update: 'ok'}}); }}
+        catch (e) {{ say({{update: e.code, protected: custody.protected}}); }}
+        process.kill(process.pid, 0);
+        lines = 0;
+        await new Promise((r) => {{ enough = r; }});
+        process.kill(process.pid, 0);
+        say({{pid: process.pid, lines}}); await next();
+        await back;
+        say({{protected: custody.protected}});
+        await custody.close();
+    """, holder.socket, pass_fds=(child.master,), prefix=_traced(log))
+    assert app.next("the deposit") == {"held": True}
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        app.send()
+        assert app.next("the update") == {"update": "unresponsive", "protected": False}
+        read = app.next("100 reads with the holder stopped", timeout=30.0)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    app.send()
+    assert app.next("the late answer") == {"protected": True}
+    assert app.wait() == 0
+    assert _polls_between_marks(log, read["pid"]) == []
+
+
+def test_a_late_answer_half_arrived_is_read_off_the_main_thread(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    """A deposit times out; then the first bytes of its answer come, and no more. Reading
+    that answer waits up to the timeout: it runs off the main thread (no poll(2) with a
+    timeout on the app's main thread, strace), where it stopped the event loop; the cut
+    answer lapses the custody, and the resume holds the session again."""
+    rejected = threading.Event()
+
+    def half(peer: Peer) -> None:
+        sid = peer.expect(protocol.Deposit).id
+        assert rejected.wait(15)
+        frame = protocol.encode(protocol.Deposited(id=sid))
+        peer.sock.sendall(struct.pack(">I", len(frame))[:2])  # half a length prefix
+        peer.until_eof()
+
+    log = tmp_path / "strace"
+    with _fake_holder(tmp_path, [half, _hold]) as fake:
+        app = node_apps(package, """
+          const c = new escrow.EscrowClient({owner: client.owner, socket: client.socket,
+                                             timeout: 1});
+          const custody = await c.openCustody();
+          const t = escrow._pty.open();
+          const back = new Promise((r) => custody.once('protected', r));
+          try { await custody.deposit('tab', t.master, {}); } catch (e) { say({deposit: e.code}); }
+          process.kill(process.pid, 0);
+          await back;
+          process.kill(process.pid, 0);
+          say({pid: process.pid, protected: custody.protected});
+          await next();
+          await custody.close();
+        """, fake.socket_path, prefix=_traced(log))
+        assert app.next("the deposit") == {"deposit": "indeterminate"}
+        rejected.set()
+        said = app.next("protected again", timeout=30.0)
+        assert said["protected"] is True
+        app.send()
+        assert app.wait() == 0
+    polls = _polls_between_marks(log, said["pid"])
+    assert polls, "the late answer was read"
+    assert [p for p in polls if p[0] == said["pid"] and p[1] != 0] == [], polls
+
+
+def test_a_session_retrieved_with_no_room_for_its_duplicate_is_read_never_ended(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp],
+) -> None:
+    """At the fd limit a retrieve into custody keeps no duplicate (escrow_custody_read says
+    EBADF): the custody reads the fd the retrieve gave, 'data', where it said 'end' of a
+    live terminal."""
+    child = counter(pty_children)
+    holder.client().hand_off("tab", child.master, child_pid=child.pid)
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining")
+    app = node_apps(package, """
+        const fs = require('node:fs');
+        const custody = await client.openCustody();
+        const said = [];
+        custody.on('end', (id, errno) => { said.push('end'); say({end: errno}); });
+        custody.on('data', (id) => { said.push('data'); if (said.length === 5) say({said}); });
+        const fillers = [];
+        try { for (;;) fillers.push(fs.openSync('/dev/null', 'r')); } catch (e) {}
+        fs.closeSync(fillers.pop());  // room for the master alone
+        const r = await custody.retrieve('tab', {journal: false});
+        for (const f of fillers) fs.closeSync(f);
+        say({held: custody.fd('tab') === r.fd, protected: custody.protected});
+        custody.startReading('tab');
+        await next();
+        await custody.release('tab');
+        await custody.close();
+    """, holder.socket, prefix=(require_program("prlimit"), "--nofile=64"))
+    assert app.next("the retrieve") == {"held": True, "protected": False}
+    assert app.next("its output") == {"said": ["data"] * 5}
+    app.send()
+    assert app.wait() == 0

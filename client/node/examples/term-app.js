@@ -8,7 +8,8 @@
 //
 //   term-app.js --socket PATH --owner OWNER --out DIR [--new ID]... [--timeout S]
 //
-// SIGTERM ends custody (every session drains in the holder) and exits 0; anything else
+// SIGTERM ends custody (every session drains in the holder) and exits 0 (1 where no holder
+// confirmed it: the event close_unconfirmed); anything else
 // (SIGKILL, a crash) leaves the sessions to the holder, which drains them until the next run.
 'use strict';
 const fs = require('node:fs');
@@ -73,7 +74,12 @@ async function main() {
   const window = setInterval(() => {}, 1 << 30);
   process.on('SIGTERM', () => {
     clearInterval(window);
-    custody.close().then(() => process.exit(0), () => process.exit(1));
+    // Unconfirmed (no holder said it has every session): the sessions may be held by
+    // nobody, which is not a clean exit.
+    custody.close().then(() => process.exit(0), (e) => {
+      log({ event: 'close_unconfirmed', code: e.code });
+      process.exit(1);
+    });
   });
 
   // Launch: every session back into custody, with a journal.

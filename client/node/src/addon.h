@@ -72,7 +72,9 @@ typedef enum escrow__node_kind {
     OP_RECLAIM, OP_REPAINT,
     /* on a custody, one at a time (custody.c's queue) */
     OP_CUSTODY_OPEN, OP_DEPOSIT, OP_CUSTODY_RELEASE, OP_CUSTODY_UPDATE, OP_CUSTODY_RETRIEVE,
-    OP_CUSTODY_RECLAIM, OP_CUSTODY_CLOSE, OP_RESUME
+    OP_CUSTODY_RECLAIM, OP_CUSTODY_CLOSE,
+    /* the watcher's own, never from JS */
+    OP_RESUME, OP_CHECK
 } escrow__node_kind;
 
 typedef struct escrow__node_op {

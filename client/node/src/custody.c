@@ -55,8 +55,12 @@ static void start_next(escrow__node_custody *c) {
         c->head = op->next;
         if (c->head == NULL) c->tail = NULL;
         op->next = NULL;
-        if (op->kind == OP_RESUME && (c->closing || !c->lapsed)) {
-            escrow__node_op_free(op); /* closed meanwhile, or a call found the holder back */
+        /* Closed meanwhile, or a call found the holder back, or a call is owed its answer on
+         * an open connection (the watch brings it): a resume would only wait for it. */
+        if ((op->kind == OP_RESUME &&
+             (c->closing || !c->lapsed || escrow__node_watch_owed(c))) ||
+            (op->kind == OP_CHECK && c->closing)) {
+            escrow__node_op_free(op);
             continue;
         }
         c->busy = 1;
@@ -95,11 +99,19 @@ void escrow__node_custody_execute(escrow__node_op *op) {
                                        op->meta.given ? op->meta.entries : NULL, op->meta.count,
                                        e);
         break;
-    case OP_CUSTODY_CLOSE: escrow_custody_close(cu); break;
+    case OP_CUSTODY_CLOSE:
+        /* Closed either way; a close that could not confirm it (a lapsed custody, no holder
+         * that says it has each session) must not look like one that did. */
+        if ((op->rc = escrow_custody_close(cu)) != ESCROW_OK)
+            escrow__fail(e, op->rc, 0, NULL,
+                         "custody ended unconfirmed: sessions may be held by nobody (no holder "
+                         "confirmed within the timeout that each is draining)");
+        break;
     case OP_CUSTODY_RETRIEVE:
         op->rc = escrow_custody_retrieve(cu, op->id, op->flag, &op->out.retrieved, e);
         break;
     case OP_RESUME: op->rc = escrow_custody_resume(cu, e); break;
+    case OP_CHECK: op->rc = escrow_custody_check(cu, e); break; /* a late answer: may wait */
     case OP_CUSTODY_RECLAIM:
         op->rc = escrow_custody_reclaim_all(cu, op->flag, op->seconds, &op->out.report, e);
         break;

@@ -56,6 +56,9 @@ void escrow__node_watch_pause(escrow__node_custody *c); /* a call starts */
  * 'protected' where it is 1 again after a lapse. */
 void escrow__node_watch_after(escrow__node_custody *c, const escrow_error *why);
 void escrow__node_watch_close(escrow__node_custody *c); /* the watch and the timer */
+/* 1: the connection is open and a call is owed its answer (escrow.h's escrow_custody.owed):
+ * the watch on its fd brings that answer, or the hang-up; no resume is needed for it. */
+int escrow__node_watch_owed(const escrow__node_custody *c);
 
 /* ---- custody_reads.c: the sessions and their reads -------------------------------------- */
 

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 escrow__node_held *escrow__node_session_find(escrow__node_custody *c, const char *id) {
     for (size_t i = 0; i < c->n; i++)
@@ -81,6 +82,12 @@ static void on_master(uv_poll_t *h, int status, int events) {
     if (c->busy || !s->reading) return;
     unsigned char buf[65536];
     long n = escrow_custody_read(&c->cu, s->id, buf, sizeof buf); /* recorded in its journal */
+    if (n < 0 && errno == EBADF) {
+        /* Held, but no duplicate of it could be kept (the fd limit): the master is the fd
+         * the app was given, read here and recorded, never an 'end' of a live terminal. */
+        n = read(s->fd, buf, sizeof buf);
+        if (n > 0) (void)escrow_custody_record(&c->cu, s->id, buf, (size_t)n);
+    }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     napi_handle_scope scope;
     napi_open_handle_scope(c->env, &scope);

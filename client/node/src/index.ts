@@ -343,7 +343,10 @@ export class Custody extends EventEmitter {
   }
 
   /** End custody: every session held here is draining once it resolves; read none again.
-   * A second call gives the first one's promise: it too resolves only once custody ended. */
+   * Rejects ('unavailable': "custody ended unconfirmed") where custody had lapsed and no
+   * holder confirmed within the timeout that it has each session: closed all the same, but
+   * those sessions may be held by nobody (tell the user; a reclaim at the next launch finds
+   * what the holder has). A second call gives the first one's promise. */
   close(): Promise<void> {
     if (this.closing === null) this.closing = this.end();
     return this.closing;
