@@ -253,8 +253,9 @@ escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t co
                                   escrow_error *err);
 /* End custody: stop every journal, shut down our side and wait (within the timeout) for the
  * holder to close its side, by when every session held here is draining; close the kept
- * duplicates. The app must not read those fds again. A custody that lapsed, or is owed an
- * answer, is confirmed too (PROTOCOL.md 10.4): each session still held by this process on
+ * duplicates. The app must not read those fds again. The end of a custody that held
+ * sessions is confirmed (PROTOCOL.md 10.4: it may have lapsed, be owed an answer, or have a
+ * holder that restarted unnoticed): each session still held by this process on
  * a holder that restarted, or unknown to it, is taken back (journals stopped) and its
  * custody ended again, until the holder's list says it is out of our hands. ESCROW_OK:
  * confirmed (or nothing to confirm); ESCROW_UNAVAILABLE: not within the client's timeout

@@ -20,8 +20,8 @@
  *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
  *                     session, its journal (sections 10.2, 10.5, 10.6, 12.6)
  *   escrow_custody_end.c
- *                     the end of custody, confirmed by the holder's list where the custody
- *                     lapsed or is owed an answer (sections 10.2, 10.4 and 11)
+ *                     the end of custody, confirmed by the holder's list whenever it held
+ *                     sessions (sections 10.2, 10.4 and 11)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
  *   escrow_retrieve_many.c
