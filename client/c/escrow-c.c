@@ -49,7 +49,7 @@ static const char usage[] =
     "                            retrieve one session into a custody; the facts on stderr\n"
     "  custody-script            one custody, driven by the lines of stdin (deposit ID FD\n"
     "                            [JOURNAL], release ID, update ID COLS ROWS, check, resume,\n"
-    "                            retrieve ID [JOURNAL], record ID TEXT|@N, read ID,\n"
+    "                            retrieve ID [JOURNAL], record ID TEXT|@N, read ID, holds ID,\n"
     "                            stop-in-write, nofile N|off, close); a JSON line on stdout\n"
     "                            each\n"
     "  repaint FD                make the program on the inherited master FD redraw\n"
@@ -486,6 +486,8 @@ static int cmd_custody_script(const escrow_client *c) {
             else if (data != NULL && kind != '@') memcpy(data, argv[2], n);
             fd = data == NULL ? -1 : escrow_custody_record(&cu, argv[1], data, n);
             free(data);
+        } else if (strcmp(cmd, "holds") == 0 && argc == 2) {
+            fd = escrow_custody_holds(&cu, argv[1]); /* 1: the app reads it */
         } else if (strcmp(cmd, "read") == 0 && argc == 2) {
             char buf[4096];
             fd = escrow_custody_read(&cu, argv[1], buf, sizeof buf);

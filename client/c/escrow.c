@@ -41,8 +41,16 @@ escrow_code escrow_hand_off(const escrow_client *c, const char *id, int fd,
     escrow_code rc = escrow_custody_open(c, &cu, err);
     if (rc != ESCROW_OK) return rc;
     rc = escrow_deposit(&cu, id, fd, opts, err);
-    escrow_custody_close(&cu);
-    return rc;
+    /* Escrowed, or kept in doubt: done only once the end of custody is confirmed (the
+     * holder's list shows it out of our hands), as client.py's hand_off is. */
+    int kept = escrow__custody_keeps(&cu, id);
+    escrow_code ended = escrow_custody_close(&cu);
+    if (!kept) return rc;
+    if (ended != ESCROW_OK)
+        return escrow__fail(err, ended, 0, id, "the hand-off of %s was not confirmed within "
+                            "the timeout: it may be held by nobody", id);
+    if (err != NULL) memset(err, 0, sizeof *err);
+    return ESCROW_OK;
 }
 
 /* ---- asking (PROTOCOL.md section 8) ----------------------------------------------------- */

@@ -160,6 +160,7 @@ typedef struct escrow_custody {
      * and what for, read before anything else is sent (escrow_resume.c). */
     int owed;                           /* 0: none; else what was asked (escrow_resume.c) */
     char owed_id[ESCROW_NAME_MAX + 1];
+    int owed_count, owed_unacked;       /* a retrieve's answers still owed (escrow_resume.c) */
     int unkept;                         /* sessions held here that could not be kept at all
                                            (out of memory): unprotected until close */
 } escrow_custody;
@@ -236,7 +237,8 @@ escrow_code escrow_custody_open(const escrow_client *c, escrow_custody *cu, escr
  * call); ESCROW_UNAVAILABLE: the connection broke, protection lapsed, and
  * escrow_custody_resume settles it (a holder that has it resumes it, one that has not is
  * given it again). Any call on a custody owed an answer reads that answer first, within
- * its own deadline; if it still does not come, nothing is sent: ESCROW_UNRESPONSIVE. */
+ * its own deadline; if it still does not come, nothing is sent and nothing kept:
+ * ESCROW_BUSY (a deposit is not in doubt then; escrow_custody_holds says 0). */
 escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
                            const escrow_deposit_opts *opts, escrow_error *err);
 escrow_code escrow_custody_release(escrow_custody *cu, const char *id, escrow_error *err);
@@ -251,8 +253,9 @@ escrow_code escrow_custody_update(escrow_custody *cu, const char *id, int64_t co
                                   escrow_error *err);
 /* End custody: stop every journal, shut down our side and wait (within the timeout) for the
  * holder to close its side, by when every session held here is draining; close the kept
- * duplicates. The app must not read those fds again. A custody that lapsed, or is owed an
- * answer, is confirmed too (PROTOCOL.md 10.4): each session still held by this process on
+ * duplicates. The app must not read those fds again. The end of a custody that held
+ * sessions is confirmed (PROTOCOL.md 10.4: it may have lapsed, be owed an answer, or have a
+ * holder that restarted unnoticed): each session still held by this process on
  * a holder that restarted, or unknown to it, is taken back (journals stopped) and its
  * custody ended again, until the holder's list says it is out of our hands. ESCROW_OK:
  * confirmed (or nothing to confirm); ESCROW_UNAVAILABLE: not within the client's timeout
@@ -278,6 +281,13 @@ long escrow_custody_read(escrow_custody *cu, const char *id, void *buf, size_t s
 int escrow_custody_record(escrow_custody *cu, const char *id, const void *data, size_t len);
 /* 1: what is read of this session goes into its replay (its journal is mapped); else 0. */
 int escrow_custody_journaled(const escrow_custody *cu, const char *id);
+/* 1: the custody keeps session `id` and the app is its reader: escrowed, or kept in doubt
+ * (a deposit owed its answer, or during a lapse) and given again by the next resume. 0:
+ * not held here (never deposited, refused with nothing kept, released, or the holder
+ * drains it: the connection it was held on closed by the client on a holder that lives, a
+ * resume answered `exists`); escrow_custody_read then fails with ENOENT. Add a session to
+ * the app's own table when this says 1, whatever the deposit's code. */
+int escrow_custody_holds(const escrow_custody *cu, const char *id);
 
 /* --- when the holder goes away (PROTOCOL.md 10.4) ---------------------------------------- */
 

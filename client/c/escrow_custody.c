@@ -170,7 +170,7 @@ escrow_code escrow_deposit(escrow_custody *cu, const char *id, int fd,
     }
     k.journal_asked = opts->journal != 0;
     int doubt;
-    rc = escrow__custody_send_deposit(cu, &k, &doubt, err);
+    rc = escrow__custody_send_deposit(cu, &k, escrow__now() + cu->client->timeout, &doubt, err);
     if (rc != ESCROW_OK && !doubt) {
         kept_free(&k); /* the holder answered, or nothing left: it does not have it */
         return rc;
@@ -195,12 +195,13 @@ static escrow_code id_call(escrow_custody *cu, mp_out *o, const char *want, int 
     }
     frame f;
     int doubt;
-    escrow_code rc = escrow__custody_call(cu, o, -1, want, kind, id, &f, &doubt, err);
+    escrow_code rc = escrow__custody_call(cu, o, -1, want, kind, id,
+                                          escrow__now() + cu->client->timeout, &f, &doubt, err);
     if (rc != ESCROW_OK) return rc;
     char got[ESCROW_NAME_MAX + 1];
     if (escrow__decode_id(&f, got) != 0) {
         rc = escrow__fail(err, ESCROW_PROTOCOL, 0, id, "a malformed %s", want);
-        escrow__custody_lost(cu);
+        escrow__custody_lost(cu, rc);
     }
     escrow__frame_free(&f);
     return rc;
@@ -210,11 +211,8 @@ static escrow_code id_call(escrow_custody *cu, mp_out *o, const char *want, int 
  * so that nothing is changed here for a call that will not be sent. */
 static escrow_code in_step(escrow_custody *cu, const char *id, escrow_error *err) {
     if (cu->sock < 0) return ESCROW_OK; /* lapsed: a connection of its own */
-    escrow_code rc = escrow__custody_in_step(cu, escrow__now() + cu->client->timeout, err);
-    if (cu->sock >= 0 && cu->owed != ESCROW__OWED_NONE) {
-        if (err != NULL) snprintf(err->id, sizeof err->id, "%s", id);
-        return rc; /* still owed: nothing sent */
-    }
+    escrow_code rc = escrow__custody_in_step(cu, escrow__now() + cu->client->timeout, id, err);
+    if (cu->sock >= 0 && cu->owed != ESCROW__OWED_NONE) return rc; /* still owed: nothing sent */
     return ESCROW_OK;
 }
 
@@ -275,7 +273,7 @@ void escrow_custody_close_in_child(escrow_custody *cu) {
 
 long escrow_custody_read(escrow_custody *cu, const char *id, void *buf, size_t size) {
     escrow_kept *k = find(cu, id);
-    if (k == NULL) {
+    if (k == NULL || k->gone) { /* (gone: the holder drains it, and is its reader) */
         errno = ENOENT;
         return -1;
     }
@@ -332,7 +330,8 @@ escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int jo
             escrow_error why;
             int doubt;
             if (cu->sock < 0 || cu->owed != ESCROW__OWED_NONE ||
-                (escrow__custody_send_deposit(cu, kept, &doubt, &why) != ESCROW_OK && !doubt))
+                (escrow__custody_send_deposit(cu, kept, escrow__now() + cu->client->timeout,
+                                              &doubt, &why) != ESCROW_OK && !doubt))
                 cu->lapsed = 1;
         }
     } else {
@@ -346,4 +345,9 @@ escrow_code escrow__custody_keep(escrow_custody *cu, escrow_retrieved *r, int jo
 
 int escrow__custody_keeps(const escrow_custody *cu, const char *id) {
     return find(cu, id) != NULL;
+}
+
+int escrow_custody_holds(const escrow_custody *cu, const char *id) {
+    const escrow_kept *k = find(cu, id);
+    return k != NULL && !k->gone;
 }

@@ -6,8 +6,9 @@
  * waits for the holder to close its own (section 11: by then it has acted on our going
  * away). The journals stop first (10.6): from then on each ring is the holder's.
  *
- * A custody that lapsed, or is owed an answer, does not know what the holder made of it, so
- * its end is not taken on trust: the holder's list, asked on a connection of its own, must
+ * A custody with sessions held does not know what the holder made of its end (it may
+ * have lapsed, be owed an answer, or have a holder that restarted unnoticed), so its end
+ * is not taken on trust: the holder's list, asked on a connection of its own, must
  * show each session kept here out of our hands. One still listed as held by this process (a
  * holder that restarted before it saw the end, and adopted it: 10.4), not listed at all (a
  * holder that lost it), or listed only as a tombstone of an earlier session of the same id
@@ -116,9 +117,12 @@ escrow_code escrow_custody_close(escrow_custody *cu) {
     }
     escrow_code rc = ESCROW_OK;
     const escrow_client *own = cu->client;
-    if (cu->lapsed || cu->owed != ESCROW__OWED_NONE) {
-        /* What the holder made of us is not known: see it confirmed (custody_end.py), every
-         * call bounded by what is left of the one timeout. */
+    if (cu->n_kept > 0 || cu->lapsed || cu->owed != ESCROW__OWED_NONE) {
+        /* What the holder made of us is not known for sure, even on a connection that
+         * looks well: a holder SIGKILLed and restarted under its keeper since the last
+         * call adopted what it held as ours, and our hang-up now reaches nobody. See it
+         * confirmed (custody_end.py), every call bounded by what is left of the one
+         * timeout. */
         char pending[ESCROW_NAME_MAX + 1] = "";
         if (cu->owed == ESCROW__OWED_DEPOSIT) snprintf(pending, sizeof pending, "%s", cu->owed_id);
         double deadline = escrow__now() + own->timeout;

@@ -20,8 +20,8 @@
  *   escrow_custody.c  custody: deposit, release, update, what a custody keeps of each
  *                     session, its journal (sections 10.2, 10.5, 10.6, 12.6)
  *   escrow_custody_end.c
- *                     the end of custody, confirmed by the holder's list where the custody
- *                     lapsed or is owed an answer (sections 10.2, 10.4 and 11)
+ *                     the end of custody, confirmed by the holder's list whenever it held
+ *                     sessions (sections 10.2, 10.4 and 11)
  *   escrow.c          the calls of escrow.h on fresh connections: the hand-off, list,
  *                     status, release, update, retrieve (sections 8, 11 and 12)
  *   escrow_retrieve_many.c
@@ -242,34 +242,48 @@ struct escrow_kept {
     escrow__journal journal;            /* base NULL: none */
     int held;                           /* 1: held on the connection we have now; 0: not,
                                            or not known yet (a deposit owed its answer) */
+    int gone;                           /* 1: the holder drains it (we closed the connection
+                                           it was held on, or a resume got `exists`): not
+                                           read here until a resume holds it again */
 };
 
 /* What a call on the custody's connection was (escrow_custody.owed). A retrieve into
  * custody whose `done` came late (12.6) is owed that frame, and then the answer to the
  * `status` that ended a refused handoff's wait when there was one: each read and dropped,
- * since the list asked on a fresh connection has decided those sessions already. */
+ * since the list asked on a fresh connection has decided those sessions already. A status
+ * or a list (a reclaim's survey) is owed its one answer, dropped too. A retrieve whose
+ * answers did not all come is owed `owed_count` more (handoffs closed unacked, errors),
+ * then, when a handoff went unacked (`owed_unacked`), a `status` is sent to end the
+ * holder's wait for our ack, and its answer is owed (as client/channel.py's _resync). */
 enum { ESCROW__OWED_NONE, ESCROW__OWED_DEPOSIT, ESCROW__OWED_RELEASE, ESCROW__OWED_UPDATE,
-       ESCROW__OWED_DONE, ESCROW__OWED_DONE_STATUS };
+       ESCROW__OWED_DONE, ESCROW__OWED_DONE_STATUS, ESCROW__OWED_STATUS, ESCROW__OWED_LIST,
+       ESCROW__OWED_RETRIEVE };
 
 /* Before anything is sent on the custody's connection: the answer it is owed, read within
- * `deadline` and acted on. ESCROW_OK: in step (nothing owed). ESCROW_UNRESPONSIVE: still
- * owed (nothing may be sent). A broken connection is lost (lapsed), and its code returned;
- * a late refusal of a deposit is its code (the session kept, not held: resume it). */
-escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_error *err);
+ * `deadline` and acted on. ESCROW_OK: in step (nothing owed). ESCROW_BUSY: still owed
+ * (nothing may be sent, nothing was), naming `id`. A broken connection is lost (lapsed),
+ * and its code returned; a late refusal of a deposit is its code (the session kept, not
+ * held: resume it). */
+escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, const char *id,
+                                    escrow_error *err);
 /* One request and its answer (`want`, or an error) on the custody's connection, in step
- * first. No answer in time for a request that left whole: owed (`kind`, `id`), the
- * connection kept. A broken one (a hang-up, a reset, a broken or unexpected frame): lost.
- * `*doubt` 1: the request may have reached the holder and no answer was believed. */
+ * first, all by `deadline`. No answer in time for a request that left whole: owed (`kind`,
+ * `id`), the connection kept. A broken one (a hang-up, a reset, a broken or unexpected
+ * frame): lost. `*doubt` 1: the request may have reached the holder and no answer was
+ * believed. */
 escrow_code escrow__custody_call(escrow_custody *cu, mp_out *o, int fd, const char *want,
-                                 int kind, const char *id, frame *f, int *doubt,
-                                 escrow_error *err);
+                                 int kind, const char *id, double deadline, frame *f,
+                                 int *doubt, escrow_error *err);
 /* Kept session `k` as a deposit on the custody's connection (a new session, or a resume of
- * one held for this process before); held once `deposited` came, its journal moved to the
- * file that answer carried. `*doubt` as for escrow__custody_call. */
-escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, int *doubt,
-                                         escrow_error *err);
-/* The custody's connection failed in a call with no answer: close it, protection lapsed. */
-void escrow__custody_lost(escrow_custody *cu);
+ * one held for this process before) by `deadline`; held once `deposited` came, its journal
+ * moved to the file that answer carried. `*doubt` as for escrow__custody_call. */
+escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, double deadline,
+                                         int *doubt, escrow_error *err);
+/* The custody's connection failed in a call with no answer (`why`): closed, protection
+ * lapsed. ESCROW_UNAVAILABLE: the holder hung up (went away: the next one adopts what it
+ * held, and the app goes on reading). Anything else: closed by us on a holder that lives,
+ * which drains every session held on it from now: each is `gone`, its journal unmapped. */
+void escrow__custody_lost(escrow_custody *cu, escrow_code why);
 
 /* ---- escrow_custody.c: what a custody keeps (sections 10.2, 12.6) ------------------------ */
 

@@ -102,14 +102,26 @@ static int live_state(const char *state) {
            strcmp(state, "handing_off") == 0 || strcmp(state, "exited") == 0;
 }
 
+/* One question of the survey: on the custody's connection (`cu`) a call kept in step,
+ * owed its answer if it does not come in time (closing the connection would end custody
+ * of every session on it); else on `c`. */
+static escrow_code ask(conn *c, escrow_custody *cu, mp_out *o, const char *want, int kind,
+                       double deadline, frame *f, escrow_error *err) {
+    int doubt;
+    if (cu == NULL) return escrow__call(c, o, -1, want, deadline, f, err);
+    return escrow__custody_call(cu, o, -1, want, kind, "", deadline, f, &doubt, err);
+}
+
 /* status, then list, on `c`: the report's header and the live sessions. */
-static escrow_code survey(conn *c, double deadline, escrow_reclaim_report *out,
-                          escrow_session **live, size_t *n_live, escrow_error *err) {
+static escrow_code survey(conn *c, escrow_custody *cu, double deadline,
+                          escrow_reclaim_report *out, escrow_session **live, size_t *n_live,
+                          escrow_error *err) {
     mp_out o = {0};
     frame f;
     escrow_status st;
     escrow_code rc = escrow__encode_status(&o, err);
-    if (rc == ESCROW_OK) rc = escrow__call(c, &o, -1, "holder_status", deadline, &f, err);
+    if (rc == ESCROW_OK)
+        rc = ask(c, cu, &o, "holder_status", ESCROW__OWED_STATUS, deadline, &f, err);
     free(o.data);
     if (rc != ESCROW_OK) return rc;
     int bad = escrow__decode_status(&f, &st);
@@ -121,7 +133,7 @@ static escrow_code survey(conn *c, double deadline, escrow_reclaim_report *out,
     out->unclean_restarts = st.unclean_restarts;
     o = (mp_out){0};
     rc = escrow__encode_list(&o, 0, err);
-    if (rc == ESCROW_OK) rc = escrow__call(c, &o, -1, "sessions", deadline, &f, err);
+    if (rc == ESCROW_OK) rc = ask(c, cu, &o, "sessions", ESCROW__OWED_LIST, deadline, &f, err);
     free(o.data);
     if (rc != ESCROW_OK) return rc;
     escrow_session *all = NULL;
@@ -156,13 +168,8 @@ static escrow_code reclaim(conn *c, escrow_custody *cu, int journal, double tota
                             "send_deadline = %.3gs", cl->timeout <= needs ? "client timeout"
                             : "reclaim deadline", cl->timeout <= needs ? cl->timeout : span,
                             needs);
-    escrow_code rc = survey(c, call, out, &live, &n_live, err);
-    if (rc != ESCROW_OK) {
-        if (cu != NULL && (rc == ESCROW_UNAVAILABLE || rc == ESCROW_UNRESPONSIVE ||
-                           rc == ESCROW_PROTOCOL))
-            escrow__custody_lost(cu); /* no answer: the custody's connection is spoiled */
-        return rc;
-    }
+    escrow_code rc = survey(c, cu, call, out, &live, &n_live, err);
+    if (rc != ESCROW_OK) return rc; /* (into custody: owed, or lost, as the call left it) */
     if (n_live > 0 && until - escrow__now() <= needs)
         rc = escrow__fail(err, ESCROW_CONFIG, 0, NULL, "reclaim deadline left %.3gs must "
                           "exceed the holder's drain_stop_budget + send_deadline = %.3gs",
@@ -243,7 +250,13 @@ escrow_code escrow_custody_reclaim_all(escrow_custody *cu, int journal, double d
                                        escrow_reclaim_report *out, escrow_error *err) {
     report_init(out);
     escrow_code rc = escrow__custody_usable(cu, NULL, err);
-    return rc != ESCROW_OK ? rc : reclaim(cu, cu, journal, deadline, out, err);
+    if (rc != ESCROW_OK) return rc;
+    /* The answer a call before is owed first: taken for the survey's, it would put every
+     * later answer one behind (a status read as the list...). Still owed: nothing sent. */
+    escrow_code owed = escrow__custody_in_step(cu, escrow__now() + cu->client->timeout, "", err);
+    if ((rc = escrow__custody_usable(cu, NULL, err)) != ESCROW_OK) return rc;
+    if (cu->owed != ESCROW__OWED_NONE) return owed;
+    return reclaim(cu, cu, journal, deadline, out, err);
 }
 
 escrow_code escrow_reclaim_all(const escrow_client *c, double deadline,

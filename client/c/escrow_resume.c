@@ -64,9 +64,18 @@ static void take_journal(escrow_custody *cu, escrow_kept *k, const journal_info 
 
 /* ---- lapses ----------------------------------------------------------------------------- */
 
-void escrow__custody_lost(escrow_custody *cu) {
+void escrow__custody_lost(escrow_custody *cu, escrow_code why) {
     escrow__conn_close(cu);
-    for (size_t i = 0; i < cu->n_kept; i++) cu->kept[i].held = 0;
+    for (size_t i = 0; i < cu->n_kept; i++) {
+        escrow_kept *k = &cu->kept[i];
+        if (why != ESCROW_UNAVAILABLE) {
+            /* The holder lives, saw us go, and drains what was held here (10.2): its ring
+             * is the holder's, and an app that read on would be a second reader. */
+            escrow__journal_unmap(&k->journal);
+            k->gone = 1;
+        }
+        k->held = 0;
+    }
     cu->owed = ESCROW__OWED_NONE; /* a deposit owed its answer is not held: resume settles it */
     cu->lapsed = 1;
     if (cu->retry_ms <= 0) cu->retry_ms = RETRY_FIRST_MS;
@@ -99,45 +108,91 @@ static int breaks(escrow_code rc) {
            rc == ESCROW_SYSTEM;
 }
 
-static const char *const owed_answer[] = {"", "deposited", "released", "updated", "done",
-                                          "done"};
+static const char *const owed_answer[] = {"", "deposited", "released", "updated"};
 
-/* The late frames of a retrieve into custody (12.6): whatever they say, the sessions were
- * decided on a fresh connection; read to put the stream back in step. */
-static escrow_code late_done(escrow_custody *cu, double deadline, escrow_error *err) {
-    while (cu->owed == ESCROW__OWED_DONE || cu->owed == ESCROW__OWED_DONE_STATUS) {
+static escrow_code still_owed(escrow_custody *cu, const char *id, escrow_error *err) {
+    return escrow__fail(err, ESCROW_BUSY, ETIMEDOUT, id != NULL && id[0] ? id : cu->owed_id,
+                        "the holder has not answered the call before (on %s) yet: nothing "
+                        "was sent, nothing kept", cu->owed_id);
+}
+
+/* A retrieve's answer read late: a handoff (its fds closed with the frame: never acked),
+ * or an error (one naming no id refused the whole request: nothing else comes). -1: not
+ * a retrieve's answer. */
+static int late_answer(escrow_custody *cu, const frame *f) {
+    if (strcmp(f->type, "handoff") == 0) {
+        cu->owed_unacked = 1;
+    } else if (strcmp(f->type, "error") == 0) {
+        escrow_error e;
+        memset(&e, 0, sizeof e);
+        if (escrow__decode_error_fields(f, &e) != 0) return -1;
+        if (e.id[0] == 0) cu->owed_count = 1;
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+/* The late frames of a retrieve into custody (12.6), of a survey, of a retrieve whose
+ * answers did not all come: whatever they say, the sessions were decided (on a fresh
+ * connection, or never acked); read to put the stream back in step. */
+static escrow_code late_frames(escrow_custody *cu, double deadline, const char *id,
+                               escrow_error *err) {
+    while (cu->owed >= ESCROW__OWED_DONE) {
         frame f;
         escrow_code rc = ESCROW_OK;
+        if (cu->owed == ESCROW__OWED_RETRIEVE && cu->owed_count <= 0) {
+            /* Every answer read; a handoff went unacked: the holder waits for our ack
+             * until a frame that is not one ends it (answered error, or holder_status). */
+            mp_out o = {0};
+            rc = escrow__encode_status(&o, err);
+            if (rc == ESCROW_OK)
+                rc = escrow__send_frame(cu->sock, o.data, o.len, -1, deadline, err);
+            free(o.data);
+            if (rc != ESCROW_OK) {
+                escrow__custody_lost(cu, rc); /* (a status cut short is out of step) */
+                return rc;
+            }
+            cu->owed = ESCROW__OWED_STATUS;
+            continue;
+        }
         if (escrow__wait_io(cu->sock, POLLIN, deadline) != 0) {
             int e = errno;
+            if (e == ETIMEDOUT) return still_owed(cu, id, err);
             rc = escrow__io_failed(err, e, "did not answer");
-            if (e == ETIMEDOUT) {
-                if (err != NULL) snprintf(err->id, sizeof err->id, "%s", cu->owed_id);
-                return rc; /* still owed */
-            }
         }
         if (rc == ESCROW_OK) rc = escrow__recv_frame(cu->sock, deadline, &f, err);
         if (rc != ESCROW_OK) {
-            escrow__custody_lost(cu);
+            escrow__custody_lost(cu, rc);
             return rc;
         }
+        if (cu->owed == ESCROW__OWED_RETRIEVE) {
+            if (late_answer(cu, &f) != 0) {
+                rc = escrow__fail(err, ESCROW_PROTOCOL, 0, NULL, "expected a retrieve's "
+                                  "answer, got %s", f.type);
+                escrow__frame_free(&f);
+                escrow__custody_lost(cu, rc);
+                return rc;
+            }
+            escrow__frame_free(&f);
+            if (--cu->owed_count <= 0 && !cu->owed_unacked) cu->owed = ESCROW__OWED_NONE;
+            continue;
+        }
         escrow__frame_free(&f);
-        cu->owed = cu->owed == ESCROW__OWED_DONE_STATUS ? ESCROW__OWED_DONE : ESCROW__OWED_NONE;
+        cu->owed = cu->owed == ESCROW__OWED_DONE_STATUS ? ESCROW__OWED_STATUS : ESCROW__OWED_NONE;
     }
     return ESCROW_OK;
 }
 
-escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_error *err) {
+escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, const char *id,
+                                    escrow_error *err) {
     if (cu->owed == ESCROW__OWED_NONE || cu->sock < 0) return ESCROW_OK;
-    if (cu->owed >= ESCROW__OWED_DONE) return late_done(cu, deadline, err);
+    if (cu->owed >= ESCROW__OWED_DONE) return late_frames(cu, deadline, id, err);
     frame f;
     int none;
     int kind = cu->owed;
     escrow_code rc = answer(cu, owed_answer[kind], deadline, &f, &none, err);
-    if (none) {
-        if (err != NULL) snprintf(err->id, sizeof err->id, "%s", cu->owed_id);
-        return rc; /* still owed: nothing may be sent before it */
-    }
+    if (none) return still_owed(cu, id, err); /* nothing may be sent before it */
     escrow_kept *k = kind == ESCROW__OWED_DEPOSIT ? find(cu, cu->owed_id) : NULL;
     int have_frame = rc == ESCROW_OK;
     if (rc == ESCROW_OK && kind == ESCROW__OWED_DEPOSIT) {
@@ -148,6 +203,7 @@ escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_
         else if (k != NULL) { /* (released meanwhile: nothing left to settle) */
             take_journal(cu, k, &journal, &f);
             k->held = 1;
+            k->gone = 0;
         }
     } else if (rc == ESCROW_OK) {
         char got[ESCROW_NAME_MAX + 1];
@@ -157,7 +213,7 @@ escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_
     }
     if (have_frame) escrow__frame_free(&f);
     if (breaks(rc)) {
-        escrow__custody_lost(cu);
+        escrow__custody_lost(cu, rc);
         return rc;
     }
     cu->owed = ESCROW__OWED_NONE; /* in step again */
@@ -172,20 +228,17 @@ escrow_code escrow__custody_in_step(escrow_custody *cu, double deadline, escrow_
 }
 
 escrow_code escrow__custody_call(escrow_custody *cu, mp_out *o, int fd, const char *want,
-                                 int kind, const char *id, frame *f, int *doubt,
-                                 escrow_error *err) {
-    double deadline = escrow__now() + cu->client->timeout;
+                                 int kind, const char *id, double deadline, frame *f,
+                                 int *doubt, escrow_error *err) {
     int64_t limit;
     escrow_code rc = ESCROW_OK;
     *doubt = 0;
-    (void)escrow__custody_in_step(cu, deadline, err);
+    (void)escrow__custody_in_step(cu, deadline, id, err);
     if (cu->sock < 0) {
         rc = escrow__fail(err, ESCROW_UNAVAILABLE, 0, id,
                           "custody lapsed (the holder went away): escrow_custody_resume first");
     } else if (cu->owed != ESCROW__OWED_NONE) {
-        rc = escrow__fail(err, ESCROW_UNRESPONSIVE, ETIMEDOUT, id,
-                          "the holder has not answered the call before (on %s) in time: "
-                          "nothing was sent", cu->owed_id);
+        rc = still_owed(cu, id, err);
     } else if (escrow_ints_get(&cu->welcome.limits, "max_request_bytes", &limit) &&
                (int64_t)o->len - 4 > limit) {
         /* The holder would end the connection, and with it custody of every session. */
@@ -211,13 +264,13 @@ escrow_code escrow__custody_call(escrow_custody *cu, mp_out *o, int fd, const ch
     if (breaks(rc)) {
         /* A refusal read after EPIPE is an answer; anything else may have reached it. */
         *doubt = 1;
-        escrow__custody_lost(cu);
+        escrow__custody_lost(cu, rc);
     }
     return rc;
 }
 
-escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, int *doubt,
-                                         escrow_error *err) {
+escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, double deadline,
+                                         int *doubt, escrow_error *err) {
     mp_out o = {0};
     frame f;
     escrow_deposit_opts opts = {k->label, k->child_pid, k->cols, k->rows, k->meta,
@@ -225,8 +278,8 @@ escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, int
     *doubt = 0;
     escrow_code rc = escrow__encode_deposit(&o, k->id, &opts, k->journal_asked, err);
     if (rc == ESCROW_OK)
-        rc = escrow__custody_call(cu, &o, k->fd, "deposited", ESCROW__OWED_DEPOSIT, k->id, &f,
-                                  doubt, err);
+        rc = escrow__custody_call(cu, &o, k->fd, "deposited", ESCROW__OWED_DEPOSIT, k->id,
+                                  deadline, &f, doubt, err);
     free(o.data);
     if (rc != ESCROW_OK) return rc;
     char got[ESCROW_NAME_MAX + 1];
@@ -234,10 +287,11 @@ escrow_code escrow__custody_send_deposit(escrow_custody *cu, escrow_kept *k, int
     if (escrow__decode_deposited(&f, got, &journal) != 0 || strcmp(got, k->id) != 0) {
         rc = escrow__fail(err, ESCROW_PROTOCOL, 0, k->id, "a malformed deposited");
         *doubt = 1;
-        escrow__custody_lost(cu); /* an answer that is not this request's: out of step */
+        escrow__custody_lost(cu, rc); /* an answer that is not this request's: out of step */
     } else {
         take_journal(cu, k, &journal, &f);
         k->held = 1;
+        k->gone = 0;
     }
     escrow__frame_free(&f);
     return rc;
@@ -268,12 +322,12 @@ escrow_code escrow_custody_check(escrow_custody *cu, escrow_error *err) {
     struct pollfd p = {cu->sock, POLLIN, 0};
     if (poll(&p, 1, 0) <= 0 || p.revents == 0) return ESCROW_OK; /* nothing: still there */
     if (cu->owed != ESCROW__OWED_NONE) /* the late answer, or a hang-up */
-        return escrow__custody_in_step(cu, escrow__now() + cu->client->timeout, err);
+        return escrow__custody_in_step(cu, escrow__now() + cu->client->timeout, NULL, err);
     unsigned char byte;
     ssize_t n = (p.revents & POLLIN) ? recv(cu->sock, &byte, 1, MSG_PEEK) : 0;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return ESCROW_OK;
     int e = n < 0 ? errno : 0;
-    escrow__custody_lost(cu);
+    escrow__custody_lost(cu, n > 0 ? ESCROW_PROTOCOL : ESCROW_UNAVAILABLE);
     if (n > 0) /* the holder never speaks unasked */
         return escrow__fail(err, ESCROW_PROTOCOL, 0, NULL,
                             "the holder sent a frame nobody asked for: custody lapsed");
@@ -289,7 +343,7 @@ static void first_refusal(escrow_code *refused, const escrow_error *why, escrow_
 }
 
 /* Give every kept session not held on the connection we have to the holder. */
-static escrow_code hold_all(escrow_custody *cu, escrow_error *err) {
+static escrow_code hold_all(escrow_custody *cu, double deadline, escrow_error *err) {
     escrow_code refused = ESCROW_OK;
     for (size_t i = 0; i < cu->n_kept; i++) {
         escrow_kept *k = &cu->kept[i];
@@ -303,7 +357,7 @@ static escrow_code hold_all(escrow_custody *cu, escrow_error *err) {
             first_refusal(&refused, &why, err);
             continue;
         }
-        escrow_code got = escrow__custody_send_deposit(cu, k, &doubt, &why);
+        escrow_code got = escrow__custody_send_deposit(cu, k, deadline, &doubt, &why);
         if (doubt) { /* owed its answer (the connection kept), or the connection lost */
             if (err != NULL) *err = why;
             return got;
@@ -312,6 +366,7 @@ static escrow_code hold_all(escrow_custody *cu, escrow_error *err) {
             /* exists: escrowed, but not held for us (or limit...): its journal stops, it is
              * asked again next time. */
             escrow__journal_unmap(&k->journal);
+            if (got == ESCROW_EXISTS) k->gone = 1; /* another's reader, not ours */
             snprintf(why.id, sizeof why.id, "%s", k->id);
             first_refusal(&refused, &why, err);
         }
@@ -321,22 +376,23 @@ static escrow_code hold_all(escrow_custody *cu, escrow_error *err) {
 
 escrow_code escrow_custody_resume(escrow_custody *cu, escrow_error *err) {
     escrow_code rc = ESCROW_OK;
+    double deadline = escrow__now() + cu->client->timeout; /* one for the whole resume */
     if (cu->sock < 0 && !cu->lapsed)
         return escrow__fail(err, ESCROW_CONFIG, 0, NULL, "this custody is closed");
     if (cu->sock >= 0) {
         /* A late refusal is deposited again below; a broken connection is replaced. */
-        escrow_code got = escrow__custody_in_step(cu, escrow__now() + cu->client->timeout, err);
+        escrow_code got = escrow__custody_in_step(cu, deadline, NULL, err);
         if (cu->sock >= 0 && cu->owed != ESCROW__OWED_NONE) rc = got; /* still owed */
     }
     if (rc == ESCROW_OK && cu->sock < 0) {
         escrow_custody fresh; /* escrow__connect_greet clears what it is given */
-        rc = escrow__connect_greet(cu->client, &fresh, escrow__now() + cu->client->timeout, err);
+        rc = escrow__connect_greet(cu->client, &fresh, deadline, err);
         if (rc == ESCROW_OK) {
             cu->sock = fresh.sock;
             cu->welcome = fresh.welcome;
         }
     }
-    if (rc == ESCROW_OK) rc = hold_all(cu, err);
+    if (rc == ESCROW_OK) rc = hold_all(cu, deadline, err);
     if (rc == ESCROW_OK) {
         cu->lapsed = 0;
         cu->retry_ms = 0;

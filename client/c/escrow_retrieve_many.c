@@ -83,7 +83,13 @@ static escrow_code resolve_kept(const escrow_client *c, taken *t, escrow_error *
         if ((asked && !ours_under_way) || escrow__ms_left(deadline) < 50) break;
         if (ours_under_way) {
             int acked = escrow__ack_again(c, &t->r, deadline, NULL);
-            if (acked < 0) break; /* ack_late: drained again; our copy goes below */
+            /* ack_late is no proof the holder drains it: our first ack may have completed
+             * meanwhile on the custody's connection, held by us there. The list decides;
+             * the master stays unread until then. */
+            if (acked < 0) {
+                poll(NULL, 0, 50);
+                continue;
+            }
             if (acked > 0) {
                 s = NULL; /* the holder let go: alone, below */
                 break;
@@ -235,13 +241,9 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
     if (rc == ESCROW_OK && cu != NULL) {
         /* The answer a custody call before is owed comes first (a late refusal of a
          * deposit is that deposit's, not this call's). */
-        (void)escrow__custody_in_step(cu, deadline, &whole);
-        if (cu->sock < 0)
-            rc = escrow__custody_connected(cu, ids[0], &whole);
-        else if (cu->owed != ESCROW__OWED_NONE)
-            rc = escrow__fail(&whole, ESCROW_UNRESPONSIVE, ETIMEDOUT, ids[0],
-                              "the holder has not answered the call before (on %s) in time: "
-                              "nothing was sent", cu->owed_id);
+        escrow_code owed = escrow__custody_in_step(cu, deadline, ids[0], &whole);
+        if (cu->sock < 0) rc = escrow__custody_connected(cu, ids[0], &whole);
+        else if (cu->owed != ESCROW__OWED_NONE) rc = owed; /* busy: nothing sent */
     }
     if (rc == ESCROW_OK) rc = escrow__check_retrieve_time(c, deadline, ids[0], &whole);
     if (rc == ESCROW_OK) {
@@ -262,7 +264,23 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
         return rc;
     }
     rc = send_only(c, &o, deadline, &whole);
+    int late = 0; /* into custody, not a byte of an answer in time: owed, the connection kept */
     for (size_t answers = 0; rc == ESCROW_OK && answers < n;) {
+        if (cu != NULL && escrow__wait_io(c->sock, POLLIN, deadline) != 0) {
+            int e = errno;
+            rc = escrow__io_failed(&whole, e, "did not answer the retrieve");
+            if (e == ETIMEDOUT) {
+                /* The rest may come late: read before the next request, each handoff
+                 * closed unacked (so are those taken here: never acked, the holder
+                 * puts them back), and its wait for our ack ended by a status. */
+                late = 1;
+                cu->owed = ESCROW__OWED_RETRIEVE;
+                cu->owed_count = (int)(n - answers);
+                cu->owed_unacked = n_got > 0 || refused;
+                snprintf(cu->owed_id, sizeof cu->owed_id, "%s", ids[0]);
+            }
+            break;
+        }
         if ((rc = escrow__recv_frame(c->sock, deadline, &f, &whole)) != ESCROW_OK) break;
         if (strcmp(f.type, "error") == 0) {
             escrow_error e;
@@ -314,14 +332,19 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
         if (rc == ESCROW_OK) rc = send_only(c, &o, deadline, &whole);
         free(o.data);
     }
-    int late = 0; /* into custody, not a byte of `done` in time: owed, the connection kept */
     if (rc == ESCROW_OK && n_got > 0) {
         escrow_error refusal;
         memset(&refusal, 0, sizeof refusal);
         if (cu != NULL && escrow__wait_io(c->sock, POLLIN, deadline) != 0) {
             int e = errno;
             rc = escrow__io_failed(&whole, e, "did not answer the ack");
-            late = e == ETIMEDOUT;
+            if ((late = e == ETIMEDOUT) != 0) {
+                /* Closing it would end custody of every session on it, these too if the
+                 * holder took the ack: the late frames are read before the next request
+                 * (escrow_resume.c), and the list decides these sessions below. */
+                cu->owed = refused ? ESCROW__OWED_DONE_STATUS : ESCROW__OWED_DONE;
+                snprintf(cu->owed_id, sizeof cu->owed_id, "%s", got[0].r.session.id);
+            }
         } else {
             rc = receive_done(c, got, n_got, deadline, &refusal, &whole);
         }
@@ -332,16 +355,20 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
                 close_taken(&got[i]);
             }
     }
-    if (rc == ESCROW_OK && refused) rc = receive_refusal(c, deadline, &whole);
+    if (rc == ESCROW_OK && refused) {
+        if (cu != NULL && escrow__wait_io(c->sock, POLLIN, deadline) != 0) {
+            int e = errno;
+            rc = escrow__io_failed(&whole, e, "did not answer the status");
+            if ((late = e == ETIMEDOUT) != 0) { /* the sessions are decided: owed only it */
+                cu->owed = ESCROW__OWED_STATUS;
+                snprintf(cu->owed_id, sizeof cu->owed_id, "%s", ids[0]);
+            }
+        } else {
+            rc = receive_refusal(c, deadline, &whole);
+        }
+    }
     int lost = !late && (rc == ESCROW_UNAVAILABLE || rc == ESCROW_UNRESPONSIVE ||
                          rc == ESCROW_PROTOCOL || rc == ESCROW_SYSTEM);
-    if (late) {
-        /* Closing it would end custody of every session on it, these too if the holder
-         * took the ack: the late frames are read before the next request (escrow_resume.c),
-         * and the list decides these sessions below. */
-        cu->owed = refused ? ESCROW__OWED_DONE_STATUS : ESCROW__OWED_DONE;
-        snprintf(cu->owed_id, sizeof cu->owed_id, "%s", got[0].r.session.id);
-    }
     if (rc != ESCROW_OK) {
         /* No answer, or the stream out of step (or the whole request refused: then nothing
          * was handed off). With `keep` the custody's connection is lost; asked first, while
@@ -368,7 +395,7 @@ escrow_code escrow__exchange(conn *c, escrow_custody *cu, const char *const *ids
                 errs[i].code = rc;
                 snprintf(errs[i].id, sizeof errs[i].id, "%s", ids[i]);
             }
-        if (lost && cu != NULL) escrow__custody_lost(cu);
+        if (lost && cu != NULL) escrow__custody_lost(cu, rc);
     }
     /* What was taken is the report's (and the custody's). */
     for (size_t i = 0; i < n_got; i++) {

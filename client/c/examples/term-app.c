@@ -213,9 +213,16 @@ static void create(app *a, escrow_custody *cu, const char *id) {
                                 .journal = 1};
     escrow_error err;
     escrow_code rc = escrow_deposit(cu, id, master, &opts, &err);
-    /* Unanswered (unresponsive, unavailable): kept, and settled by the next resume. */
-    if (rc != ESCROW_OK && rc != ESCROW_UNRESPONSIVE && rc != ESCROW_UNAVAILABLE)
+    /* Escrowed, or kept in doubt and settled by the next resume: the custody says which
+     * (a deposit refused, busy with nothing kept, is no terminal of ours to show). */
+    if (rc != ESCROW_OK)
         event(a, "{\"event\": \"error\", \"id\": \"%s\", \"code\": \"%s\"}", id, err.code_name);
+    if (!escrow_custody_holds(cu, id)) {
+        kill(child, SIGKILL); /* not escrowed, not ours to show: no terminal at all */
+        close(master);
+        waitpid(child, NULL, 0);
+        return;
+    }
     add_session(a, id, master);
     event(a, "{\"event\": \"created\", \"id\": \"%s\", \"child_pid\": %ld, \"journal\": %s}",
           id, (long)child, escrow_custody_journaled(cu, id) ? "true" : "false");
