@@ -975,3 +975,54 @@ def test_a_session_retrieved_with_no_room_for_its_duplicate_is_read_never_ended(
     assert app.next("its output") == {"said": ["data"] * 5}
     app.send()
     assert app.wait() == 0
+
+
+# --- a PTY library reads the master, and the app records what it read ---------------------------
+
+
+def test_a_master_read_by_a_tty_stream_is_recorded_and_replayed_after_sigkill(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp],
+) -> None:
+    """A PTY library's stream reads the master (tty.ReadStream, as node-pty's does):
+    startReading fails with errno EEXIST, and the app records each chunk it read, while
+    updates keep a custody call running most of the time (those records wait for the call),
+    up to L40. The app is SIGKILLed: the next replay has every line from L1 on, once, in
+    order."""
+    child = counter(pty_children)
+    app = node_apps(package, f"""
+        const custody = await client.openCustody();
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}, journal: true}});
+        const stream = new (require('node:tty').ReadStream)({child.master});
+        let seen = '', calling = 0, during = 0, told = false;
+        stream.on('data', (bytes) => {{
+          if (calling) during++;
+          custody.record('tab', bytes);
+          seen += bytes.toString('latin1');
+          if (!told && /L40\\r?\\n/.test(seen)) told = true;
+        }});
+        await new Promise((r) => stream.once('data', r));  // the stream polls the master
+        let started = null;
+        try {{ custody.startReading('tab'); }}
+        catch (e) {{ started = {{code: e.code, errno: e.errno, id: e.id}}; }}
+        say({{started, journaled: custody.journaled('tab')}});
+        for (let k = 0; !told; k++) {{
+          calling++;
+          await custody.update('tab', {{cols: 80 + (k % 2), rows: 24}});
+          calling--;
+        }}
+        say({{during}});  // no call runs now: each chunk is recorded as it is read
+        await new Promise(() => {{}});
+    """, holder.socket, pass_fds=(child.master,))
+    assert app.next("startReading") == {
+        "started": {"code": "system", "errno": 17, "id": "tab"}, "journaled": True}
+    assert app.next("40 lines read")["during"] > 0
+    app.proc.send_signal(signal.SIGKILL)
+    app.wait()
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining")
+    got = holder.client().retrieve("tab")
+    try:
+        assert got.replay_journaled > 0
+        assert_gap_free_from_1(read_more_lines(got.fd, got.replay, 3))
+    finally:
+        os.close(got.fd)

@@ -88,7 +88,8 @@ static void on_master(uv_poll_t *h, int status, int events) {
         n = read(s->fd, buf, sizeof buf);
         if (n > 0) (void)escrow_custody_record(&c->cu, s->id, buf, (size_t)n);
     }
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    int error = n < 0 ? errno : 0; /* before any napi call can change errno */
+    if (n < 0 && (error == EAGAIN || error == EWOULDBLOCK || error == EINTR)) return;
     napi_handle_scope scope;
     napi_open_handle_scope(c->env, &scope);
     napi_value args[2];
@@ -98,10 +99,12 @@ static void on_master(uv_poll_t *h, int status, int events) {
         napi_create_buffer_copy(c->env, (size_t)n, buf, &data, &args[1]);
         escrow__node_custody_emit(c, "data", 2, args); /* `s` may be gone after this */
     } else {
-        /* EIO: the terminal hung up; anything else (ENOENT: not held here): no more reads. */
+        /* EIO: the terminal hung up; anything else is not the terminal's doing (EBADF: the
+         * app closed its master; ENOENT: not held here): no more reads, and the errno says
+         * which. */
         s->reading = 0;
         uv_poll_stop(h);
-        napi_create_int32(c->env, n == 0 ? 0 : errno, &args[1]);
+        napi_create_int32(c->env, error, &args[1]);
         escrow__node_custody_emit(c, "end", 2, args);
     }
     napi_close_handle_scope(c->env, scope);
@@ -111,10 +114,19 @@ int escrow__node_session_read(escrow__node_custody *c, escrow__node_held *s, int
     if (start && s->poll == NULL && (s->poll = malloc(sizeof *s->poll)) != NULL) {
         int flags = fcntl(s->fd, F_GETFL);
         if (flags >= 0) fcntl(s->fd, F_SETFL, flags | O_NONBLOCK); /* never blocks the loop */
-        if (uv_poll_init(c->loop, s->poll, s->fd) != 0) {
+        int rc = uv_poll_init(c->loop, s->poll, s->fd);
+        if (rc != 0) {
+            /* EEXIST: something else polls this fd already (a PTY library's libuv stream:
+             * node-pty, tty.ReadStream): let it read, and record() each chunk. */
+            escrow_error e;
+            memset(&e, 0, sizeof e);
+            escrow__fail(&e, ESCROW_SYSTEM, -rc, s->id,
+                         "cannot poll the master of %.128s: %s%s", s->id, uv_strerror(rc),
+                         rc == UV_EEXIST ? " (read by another stream: record() what it reads)"
+                                         : "");
             free(s->poll);
             s->poll = NULL;
-            escrow__node_throw(c->env, ESCROW_SYSTEM, "cannot poll the master of %.128s", s->id);
+            napi_throw(c->env, escrow__node_error(c->env, &e));
             return -1;
         }
         s->poll->data = s;
