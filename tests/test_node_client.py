@@ -1026,3 +1026,38 @@ def test_a_master_read_by_a_tty_stream_is_recorded_and_replayed_after_sigkill(
         assert_gap_free_from_1(read_more_lines(got.fd, got.replay, 3))
     finally:
         os.close(got.fd)
+
+
+def test_a_master_the_app_closed_ends_with_ebadf_and_the_process_lives(
+    package: Path, holder: HolderProcess, node_apps: Callable[..., NodeApp],
+) -> None:
+    """The app closes a master the custody holds and reads, then makes a call: the read
+    ends with 'end' errno 9 (EBADF, the app's doing, not EIO's hang-up), startReading says
+    so, and the app, its custody and its other session go on (libuv aborted the process
+    polling the closed fd)."""
+    app = node_apps(package, """
+        const fs = require('node:fs');
+        const custody = await client.openCustody();
+        const a = escrow._pty.open(), b = escrow._pty.open();
+        await custody.deposit('a', a.master, {});
+        await custody.deposit('b', b.master, {});
+        const ended = new Promise((r) => custody.once('end', (id, errno) => r({id, errno})));
+        const alive = new Promise((r) => custody.on('data', (id, bytes) => {
+          if (id === 'b') r(bytes.toString()); }));
+        custody.startReading('a');
+        fs.closeSync(a.master);
+        await custody.update('a', {cols: 100, rows: 30});
+        say({end: await ended});
+        let again = null;
+        try { custody.startReading('a'); } catch (e) { again = {code: e.code, errno: e.errno}; }
+        custody.startReading('b');
+        fs.writeSync(b.slave, 'alive\\n');
+        say({again});
+        say({b: await alive});
+        await custody.release('a');
+        await custody.close();
+    """, holder.socket)
+    assert app.next("a's end") == {"end": {"id": "a", "errno": 9}}
+    assert app.next("startReading again") == {"again": {"code": "system", "errno": 9}}
+    assert "alive" in app.next("b read")["b"]
+    assert app.wait() == 0

@@ -124,6 +124,7 @@ static void closed(escrow__node_custody *c) {
     escrow__node_watch_close(c);
     while (c->n > 0) escrow__node_session_remove(c, c->sessions[0]->id);
     escrow__node_records_free(c);
+    escrow__node_reads_close(c);
     if (c->emit != NULL) napi_delete_reference(c->env, c->emit);
     c->emit = NULL;
     napi_async_destroy(c->env, c->context);

@@ -11,6 +11,8 @@
 
 #include "addon.h"
 
+#include <sys/stat.h>
+
 /* A session this custody holds, as the app sees it: its master, and whether it is read. */
 typedef struct escrow__node_held {
     char id[ESCROW_NAME_MAX + 1];
@@ -18,6 +20,9 @@ typedef struct escrow__node_held {
     int journal;
     int reading;         /* the app asked for 'data' */
     uv_poll_t *poll;     /* on the master, started while reading and the custody is idle */
+    dev_t dev;           /* the master's file, to tell it from another on the same number */
+    ino_t ino;
+    int ended;           /* an errno: 'end' is due (the app closed its master) */
     escrow__node_custody *custody;
 } escrow__node_held;
 
@@ -39,6 +44,7 @@ struct escrow__node_custody {
     uv_timer_t *timer;              /* the next resume */
     escrow__node_held **sessions;
     size_t n, cap;
+    uv_timer_t *ends;               /* 'end' for a master closed under a paused read */
     escrow__node_chunk *records, *records_tail; /* record()s made while a call ran */
 };
 
@@ -77,6 +83,7 @@ void escrow__node_sessions_sync(escrow__node_custody *c);
 int escrow__node_session_read(escrow__node_custody *c, escrow__node_held *s, int start);
 void escrow__node_reads_start(escrow__node_custody *c); /* the queue is empty */
 void escrow__node_reads_pause(escrow__node_custody *c); /* a call starts */
+void escrow__node_reads_close(escrow__node_custody *c); /* the custody is closed */
 
 /* ---- custody_record.c: what the app read itself --------------------------------------- */
 

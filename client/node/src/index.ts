@@ -248,7 +248,8 @@ export interface CustodyEvents {
   protected: [];
   /** Bytes read from a session's master (and recorded in its journal). */
   data: [id: string, data: Buffer];
-  /** The terminal hung up (errno 5, EIO) or cannot be read (its errno): no more 'data'. */
+  /** No more 'data': the terminal hung up (errno 5, EIO), or cannot be read for the app's
+   * own doing (9, EBADF: it closed its master while held), or end of file (0). */
   end: [id: string, errno: number];
 }
 
