@@ -18,6 +18,7 @@ import os
 import re
 import select
 import signal
+import socket
 import struct
 import subprocess
 import threading
@@ -1061,3 +1062,71 @@ def test_a_master_the_app_closed_ends_with_ebadf_and_the_process_lives(
     assert app.next("startReading again") == {"again": {"code": "system", "errno": 9}}
     assert "alive" in app.next("b read")["b"]
     assert app.wait() == 0
+
+
+def test_a_lapsed_custody_keeps_the_process_alive_until_a_holder_comes_back(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    """The holder goes away and the app's only pending work is awaiting 'protected' (stdin
+    closed, its own timer cleared at 'lapsed'): the process stays, its resumes fail against
+    a socket that hangs up, a back-off apart, and once a holder answers it sees
+    'protected'."""
+    gone = threading.Event()
+
+    def first(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        assert gone.wait(15)
+
+    link = tmp_path / "escrowd.sock"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    hangup = tmp_path / "hangup.sock"
+    refusals: list[int] = []
+    with _fake_holder(tmp_path / "a", [first]) as fake, \
+            socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(hangup))
+        listener.listen(8)
+        listener.settimeout(0.2)
+
+        def hang_up() -> None:
+            while len(refusals) < 3:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                conn.close()
+                refusals.append(1)
+
+        link.symlink_to(fake.socket_path)
+        app = node_apps(package, """
+          const custody = await client.openCustody();
+          const t = escrow._pty.open();
+          await custody.deposit('tab', t.master, {});
+          const keep = setInterval(() => {}, 1000);  // while protected nothing else would
+          const lapsed = new Promise((r) => custody.once('lapsed', () => {
+            clearInterval(keep);
+            r();
+          }));
+          const back = new Promise((r) => custody.once('protected', r));
+          lines.close();
+          process.stdin.destroy();
+          say({deposited: true});
+          await lapsed;
+          say({lapsed: true});
+          await back;
+          say({protected: custody.protected});
+          await custody.close();
+        """, str(link))
+        assert app.next("the deposit") == {"deposited": True}
+        waiter = threading.Thread(target=hang_up, daemon=True)
+        waiter.start()
+        link.unlink()
+        link.symlink_to(hangup)
+        gone.set()
+        assert app.next("the lapse") == {"lapsed": True}
+        waiter.join(30)
+        assert len(refusals) == 3 and app.proc.poll() is None, "the process lived on"
+        with _fake_holder(tmp_path / "b", [_hold]) as back:
+            link.unlink()
+            link.symlink_to(back.socket_path)
+            assert app.next("protected") == {"protected": True}
+            assert app.wait() == 0
