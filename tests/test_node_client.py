@@ -18,6 +18,7 @@ import os
 import re
 import select
 import signal
+import socket
 import struct
 import subprocess
 import threading
@@ -975,3 +976,157 @@ def test_a_session_retrieved_with_no_room_for_its_duplicate_is_read_never_ended(
     assert app.next("its output") == {"said": ["data"] * 5}
     app.send()
     assert app.wait() == 0
+
+
+# --- a PTY library reads the master, and the app records what it read ---------------------------
+
+
+def test_a_master_read_by_a_tty_stream_is_recorded_and_replayed_after_sigkill(
+    package: Path, holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    node_apps: Callable[..., NodeApp],
+) -> None:
+    """A PTY library's stream reads the master (tty.ReadStream, as node-pty's does):
+    startReading fails with errno EEXIST, and the app records each chunk it read, while
+    updates keep a custody call running most of the time (those records wait for the call),
+    up to L40. The app is SIGKILLed: the next replay has every line from L1 on, once, in
+    order."""
+    child = counter(pty_children)
+    app = node_apps(package, f"""
+        const custody = await client.openCustody();
+        await custody.deposit('tab', {child.master}, {{childPid: {child.pid}, journal: true}});
+        const stream = new (require('node:tty').ReadStream)({child.master});
+        let seen = '', calling = 0, during = 0, told = false;
+        stream.on('data', (bytes) => {{
+          if (calling) during++;
+          custody.record('tab', bytes);
+          seen += bytes.toString('latin1');
+          if (!told && /L40\\r?\\n/.test(seen)) told = true;
+        }});
+        await new Promise((r) => stream.once('data', r));  // the stream polls the master
+        let started = null;
+        try {{ custody.startReading('tab'); }}
+        catch (e) {{ started = {{code: e.code, errno: e.errno, id: e.id}}; }}
+        say({{started, journaled: custody.journaled('tab')}});
+        for (let k = 0; !told; k++) {{
+          calling++;
+          await custody.update('tab', {{cols: 80 + (k % 2), rows: 24}});
+          calling--;
+        }}
+        say({{during}});  // no call runs now: each chunk is recorded as it is read
+        await new Promise(() => {{}});
+    """, holder.socket, pass_fds=(child.master,))
+    assert app.next("startReading") == {
+        "started": {"code": "system", "errno": 17, "id": "tab"}, "journaled": True}
+    assert app.next("40 lines read")["during"] > 0
+    app.proc.send_signal(signal.SIGKILL)
+    app.wait()
+    wait_for(lambda: state_of(holder, "tab") == "draining", 5.0, "draining")
+    got = holder.client().retrieve("tab")
+    try:
+        assert got.replay_journaled > 0
+        assert_gap_free_from_1(read_more_lines(got.fd, got.replay, 3))
+    finally:
+        os.close(got.fd)
+
+
+def test_a_master_the_app_closed_ends_with_ebadf_and_the_process_lives(
+    package: Path, holder: HolderProcess, node_apps: Callable[..., NodeApp],
+) -> None:
+    """The app closes a master the custody holds and reads, then makes a call: the read
+    ends with 'end' errno 9 (EBADF, the app's doing, not EIO's hang-up), startReading says
+    so, and the app, its custody and its other session go on (libuv aborted the process
+    polling the closed fd)."""
+    app = node_apps(package, """
+        const fs = require('node:fs');
+        const custody = await client.openCustody();
+        const a = escrow._pty.open(), b = escrow._pty.open();
+        await custody.deposit('a', a.master, {});
+        await custody.deposit('b', b.master, {});
+        const ended = new Promise((r) => custody.once('end', (id, errno) => r({id, errno})));
+        const alive = new Promise((r) => custody.on('data', (id, bytes) => {
+          if (id === 'b') r(bytes.toString()); }));
+        custody.startReading('a');
+        fs.closeSync(a.master);
+        await custody.update('a', {cols: 100, rows: 30});
+        say({end: await ended});
+        let again = null;
+        try { custody.startReading('a'); } catch (e) { again = {code: e.code, errno: e.errno}; }
+        custody.startReading('b');
+        fs.writeSync(b.slave, 'alive\\n');
+        say({again});
+        say({b: await alive});
+        await custody.release('a');
+        await custody.close();
+    """, holder.socket)
+    assert app.next("a's end") == {"end": {"id": "a", "errno": 9}}
+    assert app.next("startReading again") == {"again": {"code": "system", "errno": 9}}
+    assert "alive" in app.next("b read")["b"]
+    assert app.wait() == 0
+
+
+def test_a_lapsed_custody_keeps_the_process_alive_until_a_holder_comes_back(
+        package: Path, node_apps: Callable[..., NodeApp], tmp_path: Path) -> None:
+    """The holder goes away and the app's only pending work is awaiting 'protected' (stdin
+    closed, its own timer cleared at 'lapsed'): the process stays, its resumes fail against
+    a socket that hangs up, a back-off apart, and once a holder answers it sees
+    'protected'."""
+    gone = threading.Event()
+
+    def first(peer: Peer) -> None:
+        peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
+        assert gone.wait(15)
+
+    link = tmp_path / "escrowd.sock"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    hangup = tmp_path / "hangup.sock"
+    refusals: list[int] = []
+    with _fake_holder(tmp_path / "a", [first]) as fake, \
+            socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(hangup))
+        listener.listen(8)
+        listener.settimeout(0.2)
+
+        def hang_up() -> None:
+            while len(refusals) < 3:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                conn.close()
+                refusals.append(1)
+
+        link.symlink_to(fake.socket_path)
+        app = node_apps(package, """
+          const custody = await client.openCustody();
+          const t = escrow._pty.open();
+          await custody.deposit('tab', t.master, {});
+          const keep = setInterval(() => {}, 1000);  // while protected nothing else would
+          const lapsed = new Promise((r) => custody.once('lapsed', () => {
+            clearInterval(keep);
+            r();
+          }));
+          const back = new Promise((r) => custody.once('protected', r));
+          lines.close();
+          process.stdin.destroy();
+          say({deposited: true});
+          await lapsed;
+          say({lapsed: true});
+          await back;
+          say({protected: custody.protected});
+          await custody.close();
+        """, str(link))
+        assert app.next("the deposit") == {"deposited": True}
+        waiter = threading.Thread(target=hang_up, daemon=True)
+        waiter.start()
+        link.unlink()
+        link.symlink_to(hangup)
+        gone.set()
+        assert app.next("the lapse") == {"lapsed": True}
+        waiter.join(30)
+        assert len(refusals) == 3 and app.proc.poll() is None, "the process lived on"
+        with _fake_holder(tmp_path / "b", [_hold]) as back:
+            link.unlink()
+            link.symlink_to(back.socket_path)
+            assert app.next("protected") == {"protected": True}
+            assert app.wait() == 0

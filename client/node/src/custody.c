@@ -123,6 +123,8 @@ static void closed(escrow__node_custody *c) {
     c->closed = c->closing = 1;
     escrow__node_watch_close(c);
     while (c->n > 0) escrow__node_session_remove(c, c->sessions[0]->id);
+    escrow__node_records_free(c);
+    escrow__node_reads_close(c);
     if (c->emit != NULL) napi_delete_reference(c->env, c->emit);
     c->emit = NULL;
     napi_async_destroy(c->env, c->context);
@@ -152,6 +154,7 @@ void escrow__node_custody_complete(napi_env env, escrow__node_op *op) {
     napi_value value = NULL;
     napi_open_handle_scope(env, &scope);
     c->busy = 0;
+    escrow__node_records_flush(c); /* before anything the call's end brings to JS */
     int ok = op->rc == ESCROW_OK;
     switch (op->kind) {
     case OP_CUSTODY_OPEN:
@@ -320,10 +323,32 @@ napi_value escrow__node_custody_call(napi_env env, napi_callback_info info) {
     return promise;
 }
 
-/* custodySync(handle, what, id?): what needs no holder, on the main thread. */
+/* record(id, bytes): the session must be held here (else 'unknown'). */
+static int record(napi_env env, escrow__node_custody *c, escrow__node_held *s, const char *id,
+                  napi_value bytes) {
+    void *data = NULL;
+    size_t len = 0;
+    bool is_buffer = false;
+    if (napi_is_buffer(env, bytes, &is_buffer) != napi_ok || !is_buffer ||
+        napi_get_buffer_info(env, bytes, &data, &len) != napi_ok) {
+        napi_throw_type_error(env, NULL, "a Buffer was expected");
+        return -1;
+    }
+    if (s == NULL) {
+        escrow__node_throw(env, ESCROW_UNKNOWN, "no session %.128s in this custody", id);
+        return -1;
+    }
+    if (escrow__node_record(c, id, data, len) != 0) {
+        escrow__node_throw(env, ESCROW_SYSTEM, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+/* custodySync(handle, what, id?, bytes?): what needs no holder, on the main thread. */
 napi_value escrow__node_custody_sync(napi_env env, napi_callback_info info) {
-    size_t argc = 3;
-    napi_value argv[3] = {0}, result;
+    size_t argc = 4;
+    napi_value argv[4] = {0}, result;
     char what[32];
     NAPI_OK(env, napi_get_cb_info(env, info, &argc, argv, NULL, NULL), NULL);
     escrow__node_custody *c = unwrap(env, argv[0]);
@@ -337,7 +362,15 @@ napi_value escrow__node_custody_sync(napi_env env, napi_callback_info info) {
     char *id = escrow__node_string(env, argv[2], 0, NULL);
     if (id == NULL) return NULL;
     escrow__node_held *s = escrow__node_session_find(c, id);
-    if (strcmp(what, "journaled") == 0) {
+    if (strcmp(what, "record") == 0) {
+        int failed = c->closing ? (escrow__node_throw(env, ESCROW_CONFIG,
+                                                      "this custody is closed"), 1)
+                                : record(env, c, s, id, argv[3]) != 0;
+        if (failed) {
+            free(id);
+            return NULL;
+        }
+    } else if (strcmp(what, "journaled") == 0) {
         napi_get_boolean(env, s != NULL && s->journal, &result);
     } else if (strcmp(what, "fd") == 0) {
         napi_create_int32(env, s != NULL ? s->fd : -1, &result);

@@ -1,14 +1,17 @@
-/* custody.h: what the three files of a custody on the event loop share (PROTOCOL.md 10.2).
+/* custody.h: what the four files of a custody on the event loop share (PROTOCOL.md 10.2).
  * custody.c is the call queue (one call at a time, off the main thread) and the calls from
  * JS; custody_watch.c is the watcher (the custody's fd, the resume on a timer, 'lapsed' and
  * 'protected'); custody_reads.c is the sessions the custody holds and their reads ('data',
- * 'end'). Only the queue starts and stops the other two: while a call runs, neither touches
- * the custody.
+ * 'end'); custody_record.c is what the app read itself, recorded. Only the queue starts and
+ * stops the watcher and the reads, and flushes the records: while a call runs, none of them
+ * touches the custody.
  */
 #ifndef ESCROW_NODE_CUSTODY_H
 #define ESCROW_NODE_CUSTODY_H
 
 #include "addon.h"
+
+#include <sys/stat.h>
 
 /* A session this custody holds, as the app sees it: its master, and whether it is read. */
 typedef struct escrow__node_held {
@@ -17,8 +20,13 @@ typedef struct escrow__node_held {
     int journal;
     int reading;         /* the app asked for 'data' */
     uv_poll_t *poll;     /* on the master, started while reading and the custody is idle */
+    dev_t dev;           /* the master's file, to tell it from another on the same number */
+    ino_t ino;
+    int ended;           /* an errno: 'end' is due (the app closed its master) */
     escrow__node_custody *custody;
 } escrow__node_held;
+
+typedef struct escrow__node_chunk escrow__node_chunk; /* custody_record.c */
 
 struct escrow__node_custody {
     napi_env env;
@@ -36,6 +44,8 @@ struct escrow__node_custody {
     uv_timer_t *timer;              /* the next resume */
     escrow__node_held **sessions;
     size_t n, cap;
+    uv_timer_t *ends;               /* 'end' for a master closed under a paused read */
+    escrow__node_chunk *records, *records_tail; /* record()s made while a call ran */
 };
 
 /* ---- custody.c: the queue --------------------------------------------------------------- */
@@ -73,5 +83,15 @@ void escrow__node_sessions_sync(escrow__node_custody *c);
 int escrow__node_session_read(escrow__node_custody *c, escrow__node_held *s, int start);
 void escrow__node_reads_start(escrow__node_custody *c); /* the queue is empty */
 void escrow__node_reads_pause(escrow__node_custody *c); /* a call starts */
+void escrow__node_reads_close(escrow__node_custody *c); /* the custody is closed */
+
+/* ---- custody_record.c: what the app read itself --------------------------------------- */
+
+/* escrow_custody_record now, or queued behind a running call (or chunks still waiting):
+ * 0, or -1 out of memory. */
+int escrow__node_record(escrow__node_custody *c, const char *id, const void *data, size_t len);
+/* A call is done (busy 0): the queued chunks, in order. */
+void escrow__node_records_flush(escrow__node_custody *c);
+void escrow__node_records_free(escrow__node_custody *c);
 
 #endif

@@ -164,7 +164,7 @@ interface Native {
   call(kind: number, settings: Settings | number, ...args: unknown[]): Promise<unknown>;
   custodyOpen(settings: Settings, emit: Emit): Promise<object>;
   custodyCall(handle: object, kind: number, ...args: unknown[]): Promise<unknown>;
-  custodySync(handle: object, what: string, id?: string): unknown;
+  custodySync(handle: object, what: string, id?: string, bytes?: Uint8Array): unknown;
   encode(type: string, args: string[]): string;
   openpty(cols: number, rows: number): { master: number; slave: number; path: string };
 }
@@ -248,7 +248,8 @@ export interface CustodyEvents {
   protected: [];
   /** Bytes read from a session's master (and recorded in its journal). */
   data: [id: string, data: Buffer];
-  /** The terminal hung up (errno 5, EIO) or cannot be read (its errno): no more 'data'. */
+  /** No more 'data': the terminal hung up (errno 5, EIO), or cannot be read for the app's
+   * own doing (9, EBADF: it closed its master while held), or end of file (0). */
   end: [id: string, errno: number];
 }
 
@@ -321,6 +322,17 @@ export class Custody extends EventEmitter {
    * the app reads through the custody, never the fd itself. */
   startReading(id: string): void {
     native.custodySync(this.h, 'startReading', id);
+  }
+
+  /** Record bytes the app read from the session's master itself (its PTY library reads it:
+   * then startReading fails, errno 17, EEXIST), each chunk as it came, in order, so that the
+   * next replay has them. Made while a custody call runs, it is queued and recorded once
+   * that call is done, never dropped or reordered. A crash between the library's read and
+   * this call loses that read unmarked (startReading's reads do not). Nothing happens for a
+   * session without a journal; throws 'unknown' for one not held here, 'config' once
+   * closed. */
+  record(id: string, bytes: Uint8Array): void {
+    native.custodySync(this.h, 'record', id, bytes);
   }
 
   stopReading(id: string): void {
