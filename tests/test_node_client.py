@@ -539,14 +539,17 @@ def test_every_promise_settles_while_the_holder_is_stopped_and_once_it_is_gone(
     assert len(stopped["stopped"]) == len(CALLS), stopped
     # A fresh connection's calls time out. A custody's first call, the deposit, gets no
     # answer (kept: 'indeterminate'), and its connection stays, owed that answer: what
-    # follows on it is 'unresponsive' (nothing sent), or for a reclaim into it 'config' (a
-    # 1 s timeout does not exceed this holder's drain_stop_budget + send_deadline). Once
-    # the holder is gone, every call is refused as a lapsed custody's: 'unavailable'.
+    # follows on it is 'busy' (the answer still owed: nothing sent, nothing kept), or for a
+    # reclaim into it 'config' (a 1 s timeout does not exceed this holder's
+    # drain_stop_budget + send_deadline). Once the holder is gone, every call is refused as
+    # a lapsed custody's: 'unavailable'.
     for name in ("status", "welcome", "list", "release", "update", "retrieve", "handOff"):
         assert stopped["stopped"][name] == "unresponsive", stopped
     assert stopped["stopped"]["deposit"] == "indeterminate", stopped
+    for name in ("custodyUpdate", "custodyRetrieve", "custodyRelease"):
+        assert stopped["stopped"][name] in {"busy", "unavailable"}, stopped
     assert set(stopped["stopped"].values()) <= {"unresponsive", "unavailable", "config",
-                                                "indeterminate"}, stopped
+                                                "indeterminate", "busy"}, stopped
     holder.proc.kill()
     holder.proc.wait()
     app.send()
@@ -604,8 +607,23 @@ def test_a_read_due_during_a_custody_call_is_done_once_the_call_is_over(
 # --- what a custody holds, and whether it is protected, are the C custody's answers -------------
 
 
-def _fake_holder(tmp_path: Path, scripts: list[Callable[[Peer], None]]) -> FakeHolder:
-    return FakeHolder(tmp_path, scripts, concurrent=True, timeout=15)
+def _fake_holder(tmp_path: Path, scripts: list[Callable[[Peer], None]],
+                 confirm: bool = True) -> FakeHolder:
+    """The scripts, then (`confirm`) the list a custody's close asks on a connection of its
+    own to confirm its end: every session deposited before, draining."""
+    fake: FakeHolder | None = None
+
+    def drained(peer: Peer) -> None:
+        peer.expect(protocol.List)
+        assert fake is not None
+        ids = dict.fromkeys(m.id for connection in fake.received for m in connection
+                            if isinstance(m, protocol.Deposit))
+        peer.send(protocol.Sessions(sessions=[protocol.SessionInfo(
+            owner=OWNER, id=sid, state="draining", deposited_at=1.5) for sid in ids]))
+
+    fake = FakeHolder(tmp_path, [*scripts, drained] if confirm else scripts, concurrent=True,
+                      timeout=15)
+    return fake
 
 
 def _hold(peer: Peer) -> None:
@@ -815,7 +833,7 @@ def test_a_lapsed_custody_closed_with_no_holder_to_confirm_it_rejects(
         peer.send(protocol.Deposited(id=peer.expect(protocol.Deposit).id))
         assert gone.wait(15)
 
-    with _fake_holder(tmp_path, [first]) as fake:
+    with _fake_holder(tmp_path, [first], confirm=False) as fake:
         app = node_apps(package, """
           const c = new escrow.EscrowClient({owner: client.owner, socket: client.socket,
                                              timeout: 1});
@@ -1081,7 +1099,7 @@ def test_a_lapsed_custody_keeps_the_process_alive_until_a_holder_comes_back(
     (tmp_path / "b").mkdir()
     hangup = tmp_path / "hangup.sock"
     refusals: list[int] = []
-    with _fake_holder(tmp_path / "a", [first]) as fake, \
+    with _fake_holder(tmp_path / "a", [first], confirm=False) as fake, \
             socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(hangup))
         listener.listen(8)
