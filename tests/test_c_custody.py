@@ -524,7 +524,7 @@ def test_a_session_retrieved_into_custody_without_a_duplicate_stays_unprotected(
     app.end()
 
 
-def _greet_keep(conn: socket.socket) -> int:
+def greet_keep(conn: socket.socket) -> int:
     """Greet as a holder that retrieves into custody; the client's pid from its hello."""
     hello = read(conn)
     assert isinstance(hello, protocol.Hello)
@@ -534,7 +534,7 @@ def _greet_keep(conn: socket.socket) -> int:
     return int(hello.client.split("pid=")[1])
 
 
-def _session(state: str, **fields: Any) -> protocol.SessionInfo:
+def session_info(state: str, **fields: Any) -> protocol.SessionInfo:
     return protocol.SessionInfo(owner=OWNER, id="s1", state=state,  # type: ignore[arg-type]
                                 deposited_at=1.5, **fields)
 
@@ -556,26 +556,26 @@ def test_a_retrieve_into_custody_the_restarted_holder_completed_is_deposited_aga
     deposits: list[protocol.Request] = []
 
     def custody(conn: socket.socket) -> None:
-        _greet_keep(conn)
+        greet_keep(conn)
         assert read(conn) == protocol.Retrieve(id="s1", keep=True, journal=journal)
-        send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
+        send(conn, protocol.Handoff(handoff_id="h-1", session=session_info("draining"),
                                     replay=b"R\r\n", journal=layout),
              fd=[master, file] if journal else master)
         assert isinstance(read(conn), protocol.Ack)  # then the holder is gone
 
     def listing(conn: socket.socket) -> None:
-        pid = _greet_keep(conn)
+        pid = greet_keep(conn)
         assert isinstance(read(conn), protocol.List)
-        send(conn, protocol.Sessions(sessions=[_session(
+        send(conn, protocol.Sessions(sessions=[session_info(
             "handing_off", handoff_id="h-1", custodian_pid=pid)]))
 
     def ack_again(conn: socket.socket) -> None:
-        _greet_keep(conn)
+        greet_keep(conn)
         assert read(conn) == protocol.Ack(id="s1", handoff_id="h-1")
         send(conn, protocol.Done(id="s1"))
 
     def resume(conn: socket.socket) -> None:
-        _greet_keep(conn)
+        greet_keep(conn)
         deposits.append(read(conn))
         send(conn, protocol.Deposited(id="s1", journal=layout), fd=file if journal else None)
         conn.settimeout(20)
@@ -610,17 +610,17 @@ def test_a_late_done_into_custody_keeps_the_connection_that_holds_the_session(
     holder: list[FakeHolder] = []
 
     def custody(conn: socket.socket) -> None:
-        pid = _greet_keep(conn)
+        pid = greet_keep(conn)
         assert read(conn) == protocol.Retrieve(id="s1", keep=True)
-        send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
+        send(conn, protocol.Handoff(handoff_id="h-1", session=session_info("draining"),
                                     replay=b"R\r\n"), fd=master)
         assert isinstance(read(conn), protocol.Ack)
         # Slow: the client asks the list on a fresh connection before `done` is sent.
         asking, _ = holder[0].listener.accept()
         with asking:
-            _greet_keep(asking)
+            greet_keep(asking)
             assert isinstance(read(asking), protocol.List)
-            send(asking, protocol.Sessions(sessions=[_session("held", custodian_pid=pid)]))
+            send(asking, protocol.Sessions(sessions=[session_info("held", custodian_pid=pid)]))
         send(conn, protocol.Done(id="s1"))
         requests.append(read(conn))
         send(conn, protocol.Updated(id="s1"))
@@ -650,7 +650,7 @@ def test_a_lapsed_c_custody_answers_every_call_unavailable_and_sends_nothing(
     Now each is ESCROW_UNAVAILABLE, and nothing was sent (the holder hears nothing after
     the deposit)."""
     def custody(conn: socket.socket) -> None:
-        _greet_keep(conn)
+        greet_keep(conn)
         assert isinstance(read(conn), protocol.Deposit)
         send(conn, protocol.Deposited(id="s1"))  # then the holder is gone
 

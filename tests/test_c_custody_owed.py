@@ -17,15 +17,23 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from typing import Any
 
 from test_c_client import Build, FakeHolder, read, run_c, send
 from test_c_client import build as build  # noqa: F401  (a fixture)
 from test_c_client import fake as fake  # noqa: F401  (a fixture)
-from test_c_custody import Script, _said, held_by, script, scripts, state_of  # noqa: F401
+from test_c_custody import (  # noqa: F401
+    Script,
+    _said,
+    greet_keep,
+    held_by,
+    script,
+    scripts,
+    session_info,
+    state_of,
+)
 from test_survive import kill_serving_holder
 
-from conftest import OWNER, HolderProcess, PtyChild, wait_for
+from conftest import HolderProcess, PtyChild, wait_for
 from escrow_client import protocol
 
 FAST = ("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
@@ -147,20 +155,6 @@ def test_closing_a_custody_whose_holder_restarted_unnoticed_is_confirmed(
     app.end()
 
 
-def _greet_keep(conn: socket.socket) -> int:
-    hello = read(conn)
-    assert isinstance(hello, protocol.Hello)
-    send(conn, protocol.Welcome(
-        version=1, holder_version="fake", pid=1, drain_stop_budget=0.1, send_deadline=0.1,
-        ack_deadline=1.0, features=["keep", "journal", "journal_reading", "update"]))
-    return int(hello.client.split("pid=")[1])
-
-
-def _session(state: str, **fields: Any) -> protocol.SessionInfo:
-    return protocol.SessionInfo(owner=OWNER, id="s1", state=state,  # type: ignore[arg-type]
-                                deposited_at=1.5, **fields)
-
-
 def test_an_ack_late_into_custody_is_asked_about_again_and_the_late_done_keeps_it(
     build: Build, fake: Callable[..., FakeHolder], scripts: list[Script],  # noqa: F811
 ) -> None:
@@ -176,18 +170,18 @@ def test_an_ack_late_into_custody_is_asked_about_again_and_the_late_done_keeps_i
 
     def accept() -> socket.socket:
         conn, _ = holder[0].listener.accept()
-        _greet_keep(conn)
+        greet_keep(conn)
         return conn
 
     def custody(conn: socket.socket) -> None:
-        pid = _greet_keep(conn)
+        pid = greet_keep(conn)
         assert read(conn) == protocol.Retrieve(id="s1", keep=True)
-        send(conn, protocol.Handoff(handoff_id="h-1", session=_session("draining"),
+        send(conn, protocol.Handoff(handoff_id="h-1", session=session_info("draining"),
                                     replay=b"R\r\n"), fd=master)
         assert isinstance(read(conn), protocol.Ack)
         with accept() as asking:
             assert isinstance(read(asking), protocol.List)
-            send(asking, protocol.Sessions(sessions=[_session(
+            send(asking, protocol.Sessions(sessions=[session_info(
                 "handing_off", handoff_id="h-1", custodian_pid=pid)]))
         with accept() as again:
             assert read(again) == protocol.Ack(id="s1", handoff_id="h-1")
@@ -195,7 +189,7 @@ def test_an_ack_late_into_custody_is_asked_about_again_and_the_late_done_keeps_i
             send(again, protocol.Error(code="ack_late", message="no handoff waits", id="s1"))
         with accept() as asking:
             assert isinstance(read(asking), protocol.List)
-            send(asking, protocol.Sessions(sessions=[_session("held", custodian_pid=pid)]))
+            send(asking, protocol.Sessions(sessions=[session_info("held", custodian_pid=pid)]))
         send(conn, protocol.Done(id="s1"))
         requests.append(read(conn))
         send(conn, protocol.Updated(id="s1"))
@@ -224,15 +218,15 @@ def test_a_hand_off_whose_deposit_went_unanswered_is_what_its_close_confirmed(
     close that followed confirmed the session draining (the hand-off done), where the
     Python client's hand_off succeeds once the close confirms. Now it returns that."""
     def custody(conn: socket.socket) -> None:
-        _greet_keep(conn)
+        greet_keep(conn)
         assert isinstance(read(conn), protocol.Deposit)
         conn.settimeout(20)
         assert conn.recv(1) == b""  # no answer: the client's end of custody
 
     def listing(conn: socket.socket) -> None:
-        _greet_keep(conn)
+        greet_keep(conn)
         assert isinstance(read(conn), protocol.List)
-        send(conn, protocol.Sessions(sessions=[_session("draining")]))
+        send(conn, protocol.Sessions(sessions=[session_info("draining")]))
 
     holder = fake([custody, listing])
     r, w = os.pipe()
