@@ -6,7 +6,7 @@ time before the answer: `--help` imports no verb at all, and a verb's `--help` o
 imports that verb alone (bench/cli_calls.py measures it, tests/test_cli_imports.py pins
 it). This module is itself imported only past `escrowctl --version`, which `cli.main`
 answers before argparse is loaded; the `--version` here answers it anywhere else on the
-line (`escrowctl --socket PATH --version`), in the same words.
+line (`escrowctl --socket PATH --version`, `escrowctl list --version`), in the same words.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class _Verbs(argparse._SubParsersAction):  # type: ignore[type-arg]
             module = importlib.import_module(f"{__package__}.commands.{_MODULES[name]}")
             module.add_arguments(verb)
         super().__call__(parser, namespace, values, option_string)
+        # argparse leaves what the verb did not know to the top parser, whose error would
+        # show the top usage: the verb's own usage says what it takes.
+        unknown = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if verb is not None and unknown:
+            verb.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 class _Version(argparse.Action):
@@ -72,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Look at escrowd, the holder that keeps terminal sessions alive while "
         "their app restarts, and at the sessions it holds.",
     )
-    parser.add_argument("--version", action=_Version, nargs=0,
-                        help="show program's version number and exit")
+    add_version(parser)
     parser.add_argument(
         "--socket", metavar="PATH",
         help=f"the holder's socket (default: ${paths.SOCKET_ENV}, else "
@@ -91,8 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        action=_Verbs)
     for name, _, line in VERBS:
-        subparsers.add_parser(name, help=line)
+        verb = subparsers.add_parser(name, help=line)
+        add_version(verb)
     return parser
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version`, on the top parser and on each verb's (`escrowctl list --version`)."""
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show program's version number and exit")
 
 
 def _positive(text: str) -> float:

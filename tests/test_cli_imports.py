@@ -114,6 +114,8 @@ def test_version_imports_nothing_but_cli(escrowctl: Path) -> None:
 @pytest.mark.parametrize("args", [
     ["--version"], ["--version", "status"], ["--version", "--bogus"], ["--version", "-h"],
     ["--socket", "/nonexistent/s", "--version"], ["--timeout", "2", "--version"], ["--vers"],
+    ["list", "--version"], ["attach", "--version"], ["run", "--version"],
+    ["status", "--json", "--version"],
 ])
 def test_version_anywhere_says_the_same(escrowctl: Path, args: list[str],
                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,71 @@
+"""The command-line conventions every verb of `escrowctl`, and `escrowd`, keep: a bad option
+is the verb's usage error, and `--version` is answered after the verb too.
+
+(tests/test_cli_imports.py holds `--version` to the same words wherever it is, and what it
+imports.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import escrow_client
+import escrowd
+from escrow_client import cli
+from escrow_client.parser import VERBS
+
+
+@pytest.mark.parametrize("verb", [name for name, _, _ in VERBS])
+def test_a_verbs_bad_option_shows_the_verbs_usage(verb: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`escrowctl list --bogus` was the top parser's error, with the top usage: the usage
+    said nothing of what `list` takes."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([verb, "--bogus"])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"usage: escrowctl {verb} "), err
+    # (A verb whose session is missing says so first; `run` takes what follows as its
+    # command, and refuses it as an option before it.)
+    assert f"\nescrowctl {verb}: error: " in err, err
+
+
+@pytest.mark.parametrize("argv", [["list", "--bogus"], ["status", "--json", "--bogus", "x"],
+                                  ["release", "a/b", "--bogus"]])
+def test_unrecognized_arguments_are_the_verbs_error(argv: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    rest = " ".join(argv[argv.index("--bogus"):])
+    assert err.startswith(f"usage: escrowctl {argv[0]} "), err
+    assert err.endswith(f"escrowctl {argv[0]}: error: unrecognized arguments: {rest}\n"), err
+
+
+def test_top_level_errors_keep_the_top_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--bogus", "list"], ["nosuch"]):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(argv)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: escrowctl [-h]") and "escrowctl: error:" in err, err
+
+
+@pytest.mark.parametrize("verb", [name for name, _, _ in VERBS])
+def test_every_verb_answers_version(verb: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([verb, "--version"])
+    assert stopped.value.code == 0
+    assert capsys.readouterr() == (f"escrowctl {escrow_client.__version__}\n", "")
+
+
+def test_escrowd_answers_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "escrowd", "--version"], capture_output=True,
+                            text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0, f"escrowd {escrowd.__version__}\n", "")
