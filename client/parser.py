@@ -100,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def every_verb(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each verb's parser, by name, with its arguments (every verb's module imported): for
+    what describes the whole command line (completion, the man page), never for a call."""
+    verbs = next(a for a in parser._actions if isinstance(a, _Verbs))
+    parsers: dict[str, argparse.ArgumentParser] = {}
+    for name, module, _ in VERBS:
+        verb = verbs._name_parser_map[name]
+        if not verb.get_default("func"):
+            importlib.import_module(f"{__package__}.commands.{module}").add_arguments(verb)
+        parsers[name] = verb
+    return parsers
+
+
 def add_version(parser: argparse.ArgumentParser) -> None:
     """`--version`, on the top parser and on each verb's (`escrowctl list --version`)."""
     parser.add_argument("--version", action=_Version, nargs=0,

@@ -7,6 +7,7 @@ imports.)
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -15,7 +16,10 @@ import pytest
 import escrow_client
 import escrowd
 from escrow_client import cli
-from escrow_client.parser import VERBS
+from escrow_client.commands.arguments import positive
+from escrow_client.parser import VERBS, build_parser, every_verb
+from escrowd.__main__ import _parser as escrowd_parser
+from escrowd.config import MiB
 
 
 @pytest.mark.parametrize("verb", [name for name, _, _ in VERBS])
@@ -69,3 +73,39 @@ def test_escrowd_answers_version() -> None:
                             text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert (result.returncode, result.stdout, result.stderr) == (
         0, f"escrowd {escrowd.__version__}\n", "")
+
+
+def every_parser() -> dict[str, argparse.ArgumentParser]:
+    """`escrowctl`'s parser, each verb's (every verb's arguments added), and `escrowd`'s."""
+    top = build_parser()
+    return {"escrowctl": top, **{f"escrowctl {name}": verb
+                                 for name, verb in every_verb(top).items()},
+            "escrowd": escrowd_parser()}
+
+
+@pytest.mark.parametrize("program", list(every_parser()))
+def test_every_option_has_help_that_gives_its_default(program: str) -> None:
+    """Each option's help says what it is and what it is when not given. Exempt, because
+    they have no default to give: a flag (off unless given, as every flag is), and an
+    argument that must be given. A number of seconds or bytes given as the default is the
+    parser's default."""
+    wanting = []
+    for action in every_parser()[program]._actions:
+        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        if not action.help or action.help == argparse.SUPPRESS:
+            wanting.append(f"{name}: no help")
+            continue
+        if action.nargs == 0 or (not action.option_strings and action.required):
+            continue
+        if "default" not in action.help:
+            wanting.append(f"{name}: its help does not give its default: {action.help!r}")
+        default = action.default
+        if action.type in (int, float, positive) and isinstance(default, int | float):
+            said = {f"{default:g}", f"{default // MiB:g} MiB"}
+            if not any(f"default {s}" in action.help or f"default: {s}" in action.help
+                       for s in said):
+                wanting.append(f"{name}: its help does not say its default {default:g}: "
+                               f"{action.help!r}")
+    assert not wanting, f"{program}:\n" + "\n".join(wanting)
