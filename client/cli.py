@@ -85,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # follows (its action runs before anything after it is looked at).
         print(f"escrowctl {__version__}")
         return 0
+    if words[:2] == ["_complete", "sessions"]:  # a Tab's question: see `completion`
+        from .completion import print_sessions
+
+        return print_sessions(words[2:])
     from . import errors
     from .deadlines import DEFAULT_TIMEOUT
     from .parser import build_parser

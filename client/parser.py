@@ -34,6 +34,7 @@ VERBS: tuple[tuple[str, str, str], ...] = (
     ("install-service", "install_service",
      "write the systemd units or the LaunchAgent for this escrowd"),
     ("demo", "demo", "watch a shell survive its app's restart"),
+    ("completion", "completion", "print a completion script for bash, zsh or fish"),
 )
 _MODULES = {name: module for name, module, _ in VERBS}
 
