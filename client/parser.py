@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="escrowctl",
         description="Look at escrowd, the holder that keeps terminal sessions alive while "
         "their app restarts, and at the sessions it holds.",
+        epilog="Exit status: 0 on success; 2 for bad arguments (nothing is sent); 1 for an "
+        "error, said on stderr; status and stop have codes of their own, which their --help "
+        "lists; run exits with its program's status; 130 on Ctrl-C.",
     )
     add_version(parser)
     parser.add_argument(

@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="escrowd",
         description="Hold PTY masters for terminal apps while they restart, draining their "
         "output so nothing is lost.",
+        epilog="Exit status: 0 after a clean stop (SIGTERM, SIGINT, or --idle-exit); 1 when "
+        "it cannot start (the message says why, e.g. another holder already serves the "
+        "socket); 2 for bad arguments.",
     )
     p.add_argument("--version", action="version", version=f"escrowd {__version__}")
     p.add_argument("--check", action="store_true",
