@@ -187,6 +187,20 @@ def test_list_of_a_held_session_imports_no_psutil(escrowctl: Path, holder: Holde
     assert not loaded(names, EVERY_CALL + verbs_but("list") + ("psutil", "json"))
 
 
+def test_a_tabs_question_imports_no_verb_and_no_parser(escrowctl: Path, holder: HolderProcess,
+                                                        pty_children: Callable[..., PtyChild]
+                                                        ) -> None:
+    """`escrowctl _complete sessions`, asked at each Tab, is answered before the parser."""
+    make_sessions(holder, pty_children)
+    names, result = imports(escrowctl, "_complete", "sessions", "attach", socket=holder.socket)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"com.example.imports/tab-{i}" for i in range(3)]
+    assert "escrow_client.completion" in names
+    denied = verbs_but() + ("trio", "escrowd", "escrow_client.parser", "escrow_client.attach",
+                            "escrow_client.autostart", "psutil")
+    assert not loaded(names, denied)
+
+
 def test_a_verbs_help_imports_that_verb(escrowctl: Path) -> None:
     names, result = imports(escrowctl, "install-service", "--help")
     assert result.returncode == 0, result.stderr
