@@ -109,3 +109,14 @@ def test_every_option_has_help_that_gives_its_default(program: str) -> None:
                 wanting.append(f"{name}: its help does not say its default {default:g}: "
                                f"{action.help!r}")
     assert not wanting, f"{program}:\n" + "\n".join(wanting)
+
+
+@pytest.mark.parametrize(("argv", "dest", "value"), [
+    (["run", "vim", "--version"], "command", ["vim", "--version"]),
+    (["run", "--", "vim", "--version"], "command", ["--", "vim", "--version"]),
+    (["install-service", "--", "--version"], "escrowd_args", ["--", "--version"]),
+])
+def test_a_version_after_the_verbs_command_is_the_commands(argv: list[str], dest: str,
+                                                           value: list[str]) -> None:
+    """`--version` once a verb's command has begun belongs to that command."""
+    assert getattr(build_parser().parse_args(argv), dest) == value
