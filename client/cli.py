@@ -8,7 +8,9 @@ verb it names; this module holds the exit-status policy. People type `escrowctl 
 and scripts call it in loops, and every module imported is time before the answer: a
 command line that starts with `--version` is answered before anything else, argparse
 included, is imported (the parser answers it anywhere else on the line, in the same
-words); bench/cli_calls.py measures it, tests/test_cli_imports.py pins it.
+words); bench/cli_calls.py measures it, tests/test_cli_imports.py pins it. So is
+`_complete sessions`, the shells' question at each Tab (`completion`), which no `--help`
+lists.
 
 Exit status:
 
@@ -85,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # follows (its action runs before anything after it is looked at).
         print(f"escrowctl {__version__}")
         return 0
+    if words[:2] == ["_complete", "sessions"]:  # a Tab's question: see `completion`
+        from .completion import print_sessions
+
+        return print_sessions(words[2:])
     from . import errors
     from .deadlines import DEFAULT_TIMEOUT
     from .parser import build_parser

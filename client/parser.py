@@ -6,7 +6,7 @@ time before the answer: `--help` imports no verb at all, and a verb's `--help` o
 imports that verb alone (bench/cli_calls.py measures it, tests/test_cli_imports.py pins
 it). This module is itself imported only past `escrowctl --version`, which `cli.main`
 answers before argparse is loaded; the `--version` here answers it anywhere else on the
-line (`escrowctl --socket PATH --version`), in the same words.
+line (`escrowctl --socket PATH --version`, `escrowctl list --version`), in the same words.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ VERBS: tuple[tuple[str, str, str], ...] = (
     ("install-service", "install_service",
      "write the systemd units or the LaunchAgent for this escrowd"),
     ("demo", "demo", "watch a shell survive its app's restart"),
+    ("completion", "completion", "print a completion script for bash, zsh or fish"),
 )
 _MODULES = {name: module for name, module, _ in VERBS}
 
@@ -53,6 +54,11 @@ class _Verbs(argparse._SubParsersAction):  # type: ignore[type-arg]
             module = importlib.import_module(f"{__package__}.commands.{_MODULES[name]}")
             module.add_arguments(verb)
         super().__call__(parser, namespace, values, option_string)
+        # argparse leaves what the verb did not know to the top parser, whose error would
+        # show the top usage: the verb's own usage says what it takes.
+        unknown = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if verb is not None and unknown:
+            verb.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 class _Version(argparse.Action):
@@ -71,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="escrowctl",
         description="Look at escrowd, the holder that keeps terminal sessions alive while "
         "their app restarts, and at the sessions it holds.",
+        epilog="Exit status: 0 on success; 2 for bad arguments (nothing is sent); 1 for an "
+        "error, said on stderr; status and stop have codes of their own, which their --help "
+        "lists; run exits with its program's status; 130 on Ctrl-C.",
     )
-    parser.add_argument("--version", action=_Version, nargs=0,
-                        help="show program's version number and exit")
+    add_version(parser)
     parser.add_argument(
         "--socket", metavar="PATH",
         help=f"the holder's socket (default: ${paths.SOCKET_ENV}, else "
@@ -91,8 +99,28 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        action=_Verbs)
     for name, _, line in VERBS:
-        subparsers.add_parser(name, help=line)
+        verb = subparsers.add_parser(name, help=line)
+        add_version(verb)
     return parser
+
+
+def every_verb(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each verb's parser, by name, with its arguments (every verb's module imported): for
+    what describes the whole command line (completion, the man page), never for a call."""
+    verbs = next(a for a in parser._actions if isinstance(a, _Verbs))
+    parsers: dict[str, argparse.ArgumentParser] = {}
+    for name, module, _ in VERBS:
+        verb = verbs._name_parser_map[name]
+        if not verb.get_default("func"):
+            importlib.import_module(f"{__package__}.commands.{module}").add_arguments(verb)
+        parsers[name] = verb
+    return parsers
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version`, on the top parser and on each verb's (`escrowctl list --version`)."""
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show program's version number and exit")
 
 
 def _positive(text: str) -> float:

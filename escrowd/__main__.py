@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="escrowd",
         description="Hold PTY masters for terminal apps while they restart, draining their "
         "output so nothing is lost.",
+        epilog="Exit status: 0 after a clean stop (SIGTERM, SIGINT, or --idle-exit); 1 when "
+        "it cannot start (the message says why, e.g. another holder already serves the "
+        "socket); 2 for bad arguments.",
     )
     p.add_argument("--version", action="version", version=f"escrowd {__version__}")
     p.add_argument("--check", action="store_true",
@@ -43,11 +46,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="socket path (default: $ESCROW_SOCKET, else "
                    "$XDG_RUNTIME_DIR/escrowd/escrowd.sock, else /tmp/escrowd-<uid>/escrowd.sock)")
     p.add_argument("--drain-stop-budget", type=float, default=d.drain_stop_budget,
-                   metavar="SECONDS", help="time to stop a drain and sweep before a handoff")
+                   metavar="SECONDS", help="time to stop a drain and sweep before a handoff "
+                   f"(default {d.drain_stop_budget:g}; a client waits longer)")
     p.add_argument("--send-deadline", type=float, default=d.send_deadline, metavar="SECONDS",
-                   help="time to send a handoff")
+                   help=f"time to send a handoff (default {d.send_deadline:g})")
     p.add_argument("--ack-deadline", type=float, default=d.ack_deadline, metavar="SECONDS",
-                   help="time to wait for the app's ack after a handoff is sent")
+                   help="time to wait for the app's ack after a handoff is sent (default "
+                   f"{d.ack_deadline:g})")
     p.add_argument("--max-sessions", type=int, metavar="N",
                    help=f"sessions held at once (default {d.max_sessions}, or fewer if the fd "
                    "store cannot hold that many: given, a cap the store cannot hold is refused)")
@@ -68,13 +73,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="connections one owner may have open at once (default "
                    f"{d.max_connections_per_owner}; custody connections never time out)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
-                   metavar="BYTES")
+                   metavar="BYTES", help="the largest request a connection may send; a "
+                   f"larger one closes it (default {d.max_request_bytes // MiB} MiB)")
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
-                   help="close a connection that holds no custody after this long idle")
+                   help="close a connection that holds no custody after this long idle "
+                   f"(default {d.idle_timeout:g})")
     p.add_argument("--unclaimed-ttl", type=float, default=d.unclaimed_ttl, metavar="SECONDS",
-                   help="release sessions nobody reclaimed after this long (0: never)")
+                   help="release sessions nobody reclaimed after this long (0: never; "
+                   f"default {d.unclaimed_ttl:g}, a day)")
     p.add_argument("--idle-exit", type=float, default=d.idle_exit, metavar="SECONDS",
-                   help="exit after this long with no sessions and no connections (0: never)")
+                   help="exit after this long with no sessions and no connections (0: never; "
+                   f"default {d.idle_exit:g})")
     return p
 
 

@@ -25,14 +25,14 @@ from escrow_client import cli
 from escrow_client.parser import build_parser
 
 VERBS = ("status", "stop", "upgrade", "list", "release", "attach", "run", "install_service",
-         "demo")
+         "demo", "completion")
 # Nothing a call of escrowctl needs but the one verb that uses it.
 EVERY_CALL = (
     "trio", "escrowd", "xml", "urllib", "http", "email", "ssl", "subprocess",
     "escrow_client.service_files", "escrow_client.custody", "escrow_client.reclaim",
     "escrow_client.retrieve", "escrow_client.resolve", "escrow_client.attach",
     "escrow_client.demo", "escrow_client.control", "escrow_client.autostart",
-    "escrow_client.journal", "escrow_client.replies",
+    "escrow_client.journal", "escrow_client.replies", "escrow_client.completion",
 )
 # What only a call to the holder needs.
 CALLS = ("socket", "msgspec", "escrow_client.protocol", "escrow_client.channel",
@@ -114,6 +114,8 @@ def test_version_imports_nothing_but_cli(escrowctl: Path) -> None:
 @pytest.mark.parametrize("args", [
     ["--version"], ["--version", "status"], ["--version", "--bogus"], ["--version", "-h"],
     ["--socket", "/nonexistent/s", "--version"], ["--timeout", "2", "--version"], ["--vers"],
+    ["list", "--version"], ["attach", "--version"], ["run", "--version"],
+    ["status", "--json", "--version"],
 ])
 def test_version_anywhere_says_the_same(escrowctl: Path, args: list[str],
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,6 +185,20 @@ def test_list_of_a_held_session_imports_no_psutil(escrowctl: Path, holder: Holde
     assert result.returncode == 0, result.stderr
     assert f"held by pid {os.getpid()} (" in result.stdout
     assert not loaded(names, EVERY_CALL + verbs_but("list") + ("psutil", "json"))
+
+
+def test_a_tabs_question_imports_no_verb_and_no_parser(escrowctl: Path, holder: HolderProcess,
+                                                        pty_children: Callable[..., PtyChild]
+                                                        ) -> None:
+    """`escrowctl _complete sessions`, asked at each Tab, is answered before the parser."""
+    make_sessions(holder, pty_children)
+    names, result = imports(escrowctl, "_complete", "sessions", "attach", socket=holder.socket)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"com.example.imports/tab-{i}" for i in range(3)]
+    assert "escrow_client.completion" in names
+    denied = verbs_but() + ("trio", "escrowd", "escrow_client.parser", "escrow_client.attach",
+                            "escrow_client.autostart", "psutil")
+    assert not loaded(names, denied)
 
 
 def test_a_verbs_help_imports_that_verb(escrowctl: Path) -> None:

@@ -62,6 +62,17 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "escrowctl status                        # the first": (
         "the first connection of a systemd socket unit",
         "tests/test_under_systemd.py::test_socket_activation_and_notify"),
+    "source <(escrowctl completion bash)": (
+        "loads into the shell that runs it", "tests/test_completion.py::"
+        "test_bash_completes_verbs_options_and_live_sessions"),
+    "escrowctl completion bash >": (
+        "writes into the user's home", "tests/test_completion.py::"
+        "test_bash_completes_verbs_options_and_live_sessions"),
+    "escrowctl completion zsh >": (
+        "writes into the user's home", "tests/test_completion.py::test_zsh_completes_from_fpath"),
+    "escrowctl completion fish >": (
+        "writes into the user's home", "tests/test_completion.py::"
+        "test_fish_completes_verbs_options_and_live_sessions"),
     "launchctl": ("macOS only", "tests/test_install_service.py::"
                   "test_launchd_agent_as_installed_runs_a_holder_on_its_pinned_socket"),
     "tail -f ~/Library/Logs/escrowd.log": (

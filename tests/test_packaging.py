@@ -73,6 +73,8 @@ def test_pipx_install_as_the_readme_says(tmp_path: Path) -> None:
                    "escrowd/__main__.py", "escrowd/py.typed"):
         assert module in names, f"{module} is missing from {wheel.name}"
     assert not [n for n in names if n.startswith(("client/", "tests/", "bench/"))]
+    for page in ("escrowctl.1", "escrowd.1"):  # the man pages, as the wheel's data
+        assert f"fd_escrow-0.1.0.data/data/share/man/man1/{page}" in names, sorted(names)
 
     # Installed as the README says (pipx: Debian 12 refuses `pip install --user`), into a
     # pipx home of its own, from the same source.
@@ -82,6 +84,16 @@ def test_pipx_install_as_the_readme_says(tmp_path: Path) -> None:
     env_dir = tmp_path / "pipx" / "venvs" / "fd-escrow"
     python, bin_dir = env_dir / "bin" / "python", tmp_path / "bin"
     assert (bin_dir / "escrowd").exists() and (bin_dir / "escrowctl").exists()
+    # pipx links the pages into its man directory ($PIPX_MAN_DIR, by default
+    # ~/.local/share/man, beside ~/.local/bin), and `man` finds them from PATH alone.
+    for page in ("escrowctl.1", "escrowd.1"):
+        assert (tmp_path / "man" / "man1" / page).exists(), page
+    if shutil.which("man"):
+        man_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "MANPATH": ""}
+        found = run(["man", "-w", "escrowctl"], cwd=tmp_path, env=man_env)
+        # (by the console script's link into the venv, whose page pipx's link names)
+        linked = (tmp_path / "man" / "man1" / "escrowctl.1").resolve()
+        assert Path(found.strip()).resolve() == linked, found
 
     where = run([python, "-c", "import escrowd, escrow_client; "
                  "print(escrowd.__file__); print(escrow_client.__file__)"], cwd=tmp_path)

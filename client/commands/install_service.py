@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{shlex.join(service_files.escrowd_command())})")
     p.add_argument("--print", action="store_true", help="print the files instead of writing them")
     p.add_argument("escrowd_args", nargs=argparse.REMAINDER, metavar="-- ESCROWD_ARGS",
-                   help="arguments for escrowd")
+                   help="arguments for escrowd (default: none)")
     p.set_defaults(func=run, kind="launchd" if sys.platform == "darwin" else "systemd")
 
 

@@ -17,7 +17,8 @@ from .text import ALIVE, duration, print_json, size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--owner", metavar="OWNER", help="only this owner's sessions")
+    p.add_argument("--owner", metavar="OWNER",
+                   help="only this owner's sessions (default: every owner's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of sessions")
     p.set_defaults(func=run)
 

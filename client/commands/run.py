@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", help="the label `escrowctl list` shows (default: the command)")
     add_detach_key(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                   help="the command and its arguments")
+                   help="the command and its arguments (default: $SHELL, else /bin/sh)")
     p.set_defaults(func=run)
 
 

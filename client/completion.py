@@ -1,0 +1,272 @@
+"""Shell completion for `escrowctl`: the scripts `escrowctl completion bash|zsh|fish` prints,
+and the session ids they complete.
+
+The scripts are written from the parser (`parser.VERBS` and each verb's arguments, read
+by `command_line`), so a verb added to VERBS is completed by the next script printed,
+without a word of shell written for it. Each script completes the verbs, the options of
+the top and of each verb, a positional's choices, and, for a verb that takes a session
+(`OWNER/ID`, `commands.arguments.add_session_ref`), the ids of the sessions a live holder
+holds. Those come from `escrowctl _complete sessions WORDS...` (`print_sessions`), which
+`cli.main` answers before argparse is loaded: WORDS are the command line typed so far, so
+that a `--socket PATH` on it is the holder asked. It asks once, for a second at most, never
+starts a holder, and says nothing and exits 0 when there is none, or anything goes wrong:
+a Tab that prints an error into the line being typed is worse than one that completes
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SHELLS = ("bash", "zsh", "fish")
+SESSION_METAVAR = "OWNER/ID"
+# How long a Tab waits for the holder: a person is waiting on it.
+SESSIONS_TIMEOUT = 1.0
+
+
+@dataclass(frozen=True)
+class Option:
+    names: tuple[str, ...]  # -h, --help
+    value: str | None  # its metavar when it takes a value
+    help: str
+
+
+@dataclass(frozen=True)
+class Verb:
+    name: str
+    help: str
+    options: tuple[Option, ...]
+    choices: tuple[str, ...]  # what its positional may be, when the parser says
+    sessions: bool  # it takes an OWNER/ID
+
+
+def command_line() -> tuple[tuple[Option, ...], tuple[Verb, ...]]:
+    """The top options and every verb of `escrowctl`, as its parser has them."""
+    from .parser import VERBS, build_parser, every_verb
+
+    top = build_parser()
+    parsers = every_verb(top)
+    verbs = tuple(_verb(name, line, parsers[name]) for name, _, line in VERBS)
+    return _options(top), verbs
+
+
+def _verb(name: str, line: str, parser: argparse.ArgumentParser) -> Verb:
+    positionals = [a for a in parser._actions if not a.option_strings]
+    choices = tuple(str(c) for a in positionals for c in (a.choices or ()))
+    sessions = any(a.metavar == SESSION_METAVAR for a in positionals)
+    return Verb(name, line, _options(parser), choices, sessions)
+
+
+def _options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
+    return tuple(
+        Option(tuple(a.option_strings), _value(a), _short(a.help or ""))
+        for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS)
+
+
+def _value(action: argparse.Action) -> str | None:
+    if action.nargs == 0:
+        return None
+    return str(action.metavar or action.dest.upper())
+
+
+def _short(text: str) -> str:
+    """A help text's first clause, on one line: what a menu of candidates has room for."""
+    text = " ".join(text.split())
+    text = re.split(r" \(|; |: |\. ", text, maxsplit=1)[0]
+    return text if len(text) <= 60 else text[:57].rsplit(" ", 1)[0] + "..."
+
+
+def script(shell: str) -> str:
+    """The completion script for `shell` (one of SHELLS)."""
+    top, verbs = command_line()
+    return {"bash": _bash, "zsh": _zsh, "fish": _fish}[shell](top, verbs)
+
+
+def _valued(options: Sequence[Option]) -> list[str]:
+    return [n for o in options if o.value for n in o.names]
+
+
+def _names(options: Sequence[Option]) -> str:
+    return " ".join(n for o in options for n in o.names)
+
+
+def _bash(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
+    cases = "".join(
+        f"        {v.name}) options='{_names(v.options)}'; valued='{' '.join(_valued(v.options))}'"
+        f"; words='{' '.join(v.choices)}'; sessions={int(v.sessions)} ;;\n"
+        for v in verbs)
+    return f"""\
+# bash completion for escrowctl, written by `escrowctl completion bash`.
+# Load it with: source <(escrowctl completion bash)
+_escrowctl() {{
+    local line=${{COMP_LINE:0:COMP_POINT}} verb='' i
+    local cur=${{line##*[[:space:]]}} prev=${{COMP_WORDS[COMP_CWORD-1]}}
+    for ((i = 1; i < COMP_CWORD; i++)); do
+        case ${{COMP_WORDS[i]}} in
+            {'|'.join(_valued(top)) or '--'}) ((i++)) ;;
+            -*) ;;
+            *) verb=${{COMP_WORDS[i]}}; break ;;
+        esac
+    done
+    local options='{_names(top)}' valued='{' '.join(_valued(top))}'
+    local words='{' '.join(v.name for v in verbs)}' sessions=0
+    case $verb in
+{cases}    esac
+    if [[ -n $prev && " $valued " == *" $prev "* ]]; then
+        [[ $prev == --socket ]] && COMPREPLY=($(compgen -f -- "$cur"))
+        return 0
+    fi
+    if [[ $cur == -* ]]; then
+        COMPREPLY=($(compgen -W "$options" -- "$cur"))
+    else
+        ((sessions)) && words+=" $(command escrowctl _complete sessions \\
+            "${{COMP_WORDS[@]:1:COMP_CWORD-1}}" 2>/dev/null)"
+        COMPREPLY=($(compgen -W "$words" -- "$cur"))
+    fi
+    # An id with a colon is split at it into words (COMP_WORDBREAKS): each candidate
+    # replaces only the part after the last colon.
+    if [[ $cur == *:* && $COMP_WORDBREAKS == *:* ]]; then
+        local before=${{cur%"${{cur##*:}}"}}
+        COMPREPLY=("${{COMPREPLY[@]#"$before"}}")
+    fi
+    return 0
+}}
+complete -F _escrowctl escrowctl
+"""
+
+
+def _zsh_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+def _zsh_items(options: Sequence[Option]) -> str:
+    return " ".join(_zsh_quote(f"{n}:{o.help}") for o in options for n in o.names)
+
+
+def _zsh(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
+    cases = "".join(
+        f"        ({v.name}) options=({_zsh_items(v.options)}); "
+        f"valued=({' '.join(_valued(v.options))}); cands=({' '.join(v.choices)}); "
+        f"sessions={int(v.sessions)} ;;\n"
+        for v in verbs)
+    commands = " ".join(_zsh_quote(f"{v.name}:{_short(v.help)}") for v in verbs)
+    return f"""\
+#compdef escrowctl
+# zsh completion for escrowctl, written by `escrowctl completion zsh`: save it as _escrowctl
+# in a directory of $fpath (before compinit runs), or source it after compinit.
+_escrowctl() {{
+    local verb='' i
+    for ((i = 2; i < CURRENT; i++)); do
+        case ${{words[i]}} in
+            ({'|'.join(_valued(top)) or '--'}) ((i++)) ;;
+            (-*) ;;
+            (*) verb=${{words[i]}}; break ;;
+        esac
+    done
+    local -a options valued cands ids
+    local sessions=0
+    options=({_zsh_items(top)})
+    valued=({' '.join(_valued(top))})
+    cands=({commands})
+    case $verb in
+{cases}    esac
+    if (( ${{valued[(Ie)${{words[CURRENT-1]}}]}} )); then
+        [[ ${{words[CURRENT-1]}} == --socket ]] && _files
+        return
+    fi
+    if [[ $PREFIX == -* ]]; then
+        _describe -t options option options
+    elif [[ -z $verb ]]; then
+        _describe -t commands 'escrowctl command' cands
+    else
+        (( ${{#cands}} )) && compadd -a cands
+        if (( sessions )); then
+            ids=(${{(f)"$(command escrowctl _complete sessions \\
+                "${{(@)words[2,CURRENT-1]}}" 2>/dev/null)"}})
+            (( ${{#ids}} )) && compadd -a ids
+        fi
+    fi
+}}
+if [[ ${{zsh_eval_context[-1]}} == loadautofunc ]]; then
+    _escrowctl "$@"
+else
+    compdef _escrowctl escrowctl
+fi
+"""
+
+
+def _fish_quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _fish_option(condition: str, option: Option) -> str:
+    flags = "".join(f" -s {n[1:]}" if not n.startswith("--") else f" -l {n[2:]}"
+                    for n in option.names)
+    value = (" -r -F" if option.value == "PATH" else " -r") if option.value else ""
+    return f"complete -c escrowctl -n {condition}{flags}{value} -d {_fish_quote(option.help)}\n"
+
+
+def _fish(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
+    lines = [_fish_option("'not __escrowctl_verb'", o) for o in top]
+    lines += [f"complete -c escrowctl -n 'not __escrowctl_verb' -a {v.name} "
+              f"-d {_fish_quote(_short(v.help))}\n" for v in verbs]
+    for v in verbs:
+        condition = f"'__escrowctl_verb_is {v.name}'"
+        lines += [_fish_option(condition, o) for o in v.options]
+        if v.choices:
+            lines.append(f"complete -c escrowctl -n {condition} -a '{' '.join(v.choices)}'\n")
+        if v.sessions:
+            lines.append(f"complete -c escrowctl -n {condition} -a '(__escrowctl_sessions)'\n")
+    top_valued = " ".join(_valued(top)) or "--"
+    return f"""\
+# fish completion for escrowctl, written by `escrowctl completion fish`: save it as
+# ~/.config/fish/completions/escrowctl.fish
+function __escrowctl_verb --description 'the verb on the command line, if any'
+    set -l words (commandline -opc)
+    set -e words[1]
+    while set -q words[1]
+        if contains -- $words[1] {top_valued}
+            set -e words[1]
+        else if not string match -q -- '-*' $words[1]
+            echo $words[1]
+            return 0
+        end
+        set -e words[1]
+    end
+    return 1
+end
+function __escrowctl_verb_is
+    test "$(__escrowctl_verb)" = $argv[1]
+end
+function __escrowctl_sessions --description 'the sessions a live holder holds'
+    set -l words (commandline -opc)
+    command escrowctl _complete sessions $words[2..-1] 2>/dev/null
+end
+complete -c escrowctl -f
+{"".join(lines)}"""
+
+
+def print_sessions(words: Sequence[str]) -> int:
+    """`escrowctl _complete sessions WORDS...`: the id of each session a holder holds,
+    one a line, on the socket `--socket` names in WORDS (else the default); nothing when
+    no holder answers. Always 0."""
+    socket = None
+    for i, word in enumerate(words):
+        if word == "--socket" and i + 1 < len(words):
+            socket = words[i + 1]
+        elif word.startswith("--socket="):
+            socket = word.partition("=")[2]
+    try:
+        from . import protocol
+        from .client import EscrowClient
+
+        sessions = EscrowClient("escrowctl", socket_path=socket, timeout=SESSIONS_TIMEOUT,
+                                client_name="escrowctl completion").list(all_owners=True)
+        print("".join(f"{s.owner}/{s.id}\n" for s in sessions
+                      if s.state not in protocol.TOMBSTONE_STATES), end="")
+    except Exception:  # a Tab says nothing rather than an error into the line
+        pass
+    return 0
