@@ -52,6 +52,7 @@ from .liveness import process_name
 DEFAULT_GRACE = 3.0  # seconds between SIGHUP and SIGKILL
 # How long a SIGKILLed program has to let go of its terminal before the kill is a failure.
 KILL_WAIT = 2.0
+_READS_AT_ONCE = 16
 
 
 class Refused(Exception):
@@ -229,9 +230,12 @@ class _Ending:
         return self._ask()[0] is None
 
     def _drain(self) -> None:
-        """Read (into the session's journal) what the terminal has for us now; note its
-        hang-up."""
-        while not self.hung_up and select.select([self.master], [], [], 0)[0]:
+        """Read (into the session's journal) what the terminal has for us now, a bounded
+        amount (a program that writes without end must not keep the deadline from being
+        seen); note its hang-up."""
+        for _ in range(_READS_AT_ONCE):
+            if self.hung_up or not select.select([self.master], [], [], 0)[0]:
+                return
             try:
                 data = self._read(self.session_id)
             except BlockingIOError:
@@ -282,5 +286,5 @@ def _held_by_whom(client: EscrowClient, session_id: str, exc: errors.CustodyHeld
     who = ""
     if info is not None and info.custodian_pid is not None:
         who = f" by pid {info.custodian_pid}{_named(process_name(info.custodian_pid))}"
-    return (f"{client.owner}/{session_id} is held{who}: an app shows it, or it is attached "
-            "elsewhere (escrowctl attach -d takes it from an attach); nothing was changed")
+    return (f"it is held{who}: an app shows it, or it is attached elsewhere (escrowctl "
+            "attach -d takes it from an attach); nothing was changed")

@@ -100,6 +100,19 @@ def test_a_program_that_ignores_sighup_gets_sigkill_after_the_grace(
     assert state(holder, "stubborn") == "released"
 
 
+def test_a_program_that_writes_without_end_is_still_killed_after_the_grace(
+        holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
+    """What it prints is read while it is awaited; the reading never hides the deadline."""
+    child = pty_children(["sh", "-c", "trap '' HUP; echo ready; exec yes"])
+    assert b"ready" in child.read_available(until=b"ready")
+    hand_off(holder, child, "chatty")
+    result = escrowctl(holder.socket, "kill", "--grace", GRACE, f"{OWNER}/chatty")
+    assert result.returncode == 0, result.stderr
+    assert f"SIGKILL to pid {child.pid} (yes)" in result.stdout
+    ended_by(child, signal.SIGKILL)
+    assert state(holder, "chatty") == "released"
+
+
 def foreground_child(child: PtyChild) -> int:
     """The pid of the foreground job of `child`'s terminal, once it is not `child`."""
     def other() -> int | None:
@@ -162,7 +175,7 @@ def test_a_session_held_by_a_custodian_is_refused_and_unchanged(
         assert result.returncode == 4, result.stderr
         assert result.stdout == ""
         assert result.stderr.startswith(
-            f"escrowctl: {OWNER}/held: not killed: {OWNER}/held is held by pid {os.getpid()} (")
+            f"escrowctl: {OWNER}/held: not killed: it is held by pid {os.getpid()} (")
         assert "escrowctl attach -d" in result.stderr
         assert result.stderr.endswith("nothing was changed (custody_held)\n")
         assert child.proc.poll() is None
