@@ -164,11 +164,17 @@ class _Ending:
                 pidfd = platform.pin_process(pid)
             except ProcessLookupError:
                 continue  # a group whose leader has gone: the group is signalled still
-            if pidfd is not None:
-                if pid in self._ask():
-                    self.pinned[pid] = pidfd
-                else:
-                    os.close(pidfd)
+            if pidfd is None:
+                continue
+            try:
+                named = pid in self._ask()
+            except BaseException:
+                os.close(pidfd)
+                raise
+            if named:
+                self.pinned[pid] = pidfd
+            else:
+                os.close(pidfd)
 
     def _signal(self, signum: int, killed: Killed, cont: bool) -> None:
         """`signum` to every group the kernel names now and every pinned process still
@@ -180,8 +186,6 @@ class _Ending:
             described = process_name(group)
             try:
                 os.killpg(group, signum)
-                if cont:
-                    os.killpg(group, signal.SIGCONT)
             except ProcessLookupError:
                 continue
             except PermissionError:
@@ -191,6 +195,11 @@ class _Ending:
             done.add(group)
             killed.signalled.append((name, group, described))
             killed.steps.append(f"{name} to pid {group}{_named(described)}")
+            if cont:
+                try:
+                    os.killpg(group, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # the hangup has ended it already
         for pid, pidfd in self.pinned.items():
             if pid in done or _ended(pidfd):
                 continue
