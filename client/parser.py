@@ -29,6 +29,7 @@ VERBS: tuple[tuple[str, str, str], ...] = (
     ("upgrade", "upgrade", "replace the holder with the installed code, keeping every session"),
     ("list", "list", "list escrowed sessions (every owner's by default)"),
     ("release", "release", "make the holder drop its copy of a session"),
+    ("kill", "kill", "end a session's program (SIGHUP, then SIGKILL) and release it"),
     ("attach", "attach", "attach this terminal to an escrowed session"),
     ("run", "run", "run a command in a new escrowed session, attached to this terminal"),
     ("install-service", "install_service",

@@ -152,6 +152,55 @@ def pty_number(fd: int) -> int | None:
     return int(struct.unpack("I", raw)[0])
 
 
+_TIOCGSID = 0x5429  # Linux: the session of a pty master's slave (ENOTTY: none)
+
+
+def terminal_processes(fd: int) -> tuple[int | None, int | None] | None:
+    """Whose the terminal of the pty master `fd` is, as the kernel says now: (the session
+    id, that is its leader's pid; the foreground process group), None for either it has
+    none. None where the platform cannot tell from a master: macOS answers these only for
+    a process's own controlling terminal."""
+    if sys.platform != "linux":
+        return None
+    return _ioctl_pid(fd, _TIOCGSID), _ioctl_pid(fd, termios.TIOCGPGRP)
+
+
+def _ioctl_pid(fd: int, request: int) -> int | None:
+    try:
+        raw = fcntl.ioctl(fd, request, b"\0\0\0\0")
+    except OSError as exc:
+        if exc.errno != errno.ENOTTY:  # no session (the leader has ended, or never was)
+            raise
+        return None
+    pid = int(struct.unpack("i", raw)[0])
+    return pid if pid > 0 else None
+
+
+def pin_process(pid: int) -> int | None:
+    """A pidfd for `pid` (Linux 5.3+): it names that one process whatever becomes of the
+    number, and turns readable when it ends. None where there is none to be had (then the
+    caller must make do with the number); ProcessLookupError if no such process."""
+    if sys.platform != "linux" or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise ProcessLookupError(exc.errno, exc.strerror) from None
+        if exc.errno in (errno.ENOSYS, errno.EINVAL):
+            return None
+        raise
+
+
+def signal_pinned(pidfd: int, signum: int) -> None:
+    """Send `signum` to the process of a `pin_process` pidfd (ProcessLookupError: it has
+    ended)."""
+    if sys.platform == "linux":
+        import signal
+
+        signal.pidfd_send_signal(pidfd, signum)
+
+
 def bytes_readable(fd: int) -> int:
     """How many bytes a read on `fd` can return right now without blocking."""
     raw = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")

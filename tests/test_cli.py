@@ -177,11 +177,35 @@ def test_release_then_list_shows_released(holder: HolderProcess, pty_children) -
     result = escrowctl(holder.socket, "list")
     assert result.stdout.splitlines()[1].split()[:2] == [f"{OWNER}/tab-1", "released"]
 
-    # Releasing it again answers the tombstone's state.
+    # Releasing it again says so, and is no failure: nothing is left to release.
     result = escrowctl(holder.socket, "release", f"{OWNER}/tab-1")
-    assert result.returncode == 1
-    assert result.stderr.startswith("escrowctl: ")
-    assert result.stderr.rstrip().endswith("(released)")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(rf"{OWNER}/tab-1 was already released \d+s ago: escrowd holds no "
+                        r"copy of it\n", result.stdout), result.stdout
+    assert result.stderr == ""
+
+
+def test_release_of_ended_sessions_says_what_became_of_them(
+        holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
+    """An exited session is released (its tombstone says so); a handed-off one has no copy
+    left to release, and saying so is no failure."""
+    child = pty_children(["sh", "-c", "echo bye"])
+    assert b"bye" in child.read_available(until=b"bye")
+    holder.client().hand_off("ended", child.master, child_pid=child.pid)
+    wait_for(lambda: any(s.id == "ended" and s.state == "exited"
+                         for s in holder.client().list()), 5, "exited")
+    result = escrowctl(holder.socket, "release", f"{OWNER}/ended")
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.startswith(f"released {OWNER}/ended: ")
+    assert [s.state for s in holder.client().list() if s.id == "ended"] == ["released"]
+
+    deposit(holder, pty_children, "taken")
+    got = holder.client().retrieve("taken")
+    os.close(got.fd)
+    result = escrowctl(holder.socket, "release", f"{OWNER}/taken")
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert re.fullmatch(rf"{OWNER}/taken was already handed off to an app \d+s ago: escrowd "
+                        r"holds no copy of it\n", result.stdout), result.stdout
 
 
 def test_release_unknown_session_fails_clearly(holder: HolderProcess) -> None:

@@ -24,8 +24,8 @@ from conftest import HolderProcess, PtyChild
 from escrow_client import cli
 from escrow_client.parser import build_parser
 
-VERBS = ("status", "stop", "upgrade", "list", "release", "attach", "run", "install_service",
-         "demo", "completion")
+VERBS = ("status", "stop", "upgrade", "list", "release", "kill", "attach", "run",
+         "install_service", "demo", "completion")
 # Nothing a call of escrowctl needs but the one verb that uses it.
 EVERY_CALL = (
     "trio", "escrowd", "xml", "urllib", "http", "email", "ssl", "subprocess",
@@ -33,6 +33,7 @@ EVERY_CALL = (
     "escrow_client.retrieve", "escrow_client.resolve", "escrow_client.attach",
     "escrow_client.demo", "escrow_client.control", "escrow_client.autostart",
     "escrow_client.journal", "escrow_client.replies", "escrow_client.completion",
+    "escrow_client.kill",
 )
 # What only a call to the holder needs.
 CALLS = ("socket", "msgspec", "escrow_client.protocol", "escrow_client.channel",
