@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import select
+import signal
 import socket
 import struct
 import sys
@@ -234,6 +235,49 @@ def process_parent(pid: int) -> int:
     if not IS_LINUX:
         return _ask_psutil(pid, lambda p: int(p.ppid()))
     return int(_proc_stat(pid)[1][1])
+
+
+def signal_if(pid: int, signum: int, still_it: Callable[[], bool]) -> bool:
+    """Send `signum` to `pid` if `still_it()` says it is still the process meant, asked once
+    a handle on the process is held (Linux: a pidfd), so that a pid reused in between is
+    never signalled. False if nothing was sent."""
+    if sys.platform == "linux" and hasattr(os, "pidfd_open"):
+        try:
+            handle = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        try:
+            if not still_it():
+                return False
+            signal.pidfd_send_signal(handle, signum)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            os.close(handle)
+    if not still_it():
+        return False
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def process_uids(pid: int) -> tuple[int, int]:
+    """The real and effective uids of `pid`; raises as `process_state` does."""
+    if not IS_LINUX:
+        return _ask_psutil(pid, lambda p: (int(p.uids().real), int(p.uids().effective)))
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except FileNotFoundError:
+        raise NoSuchProcess(pid) from None
+    for line in status.splitlines():
+        if line.startswith(b"Uid:"):
+            real, effective = line.split()[1:3]
+            return int(real), int(effective)
+    raise ValueError(f"no Uid line in /proc/{pid}/status")
 
 
 def process_name(pid: int) -> str:
