@@ -24,8 +24,9 @@ new one attaches once the session drains again.
     wait     the new attach watches the session (under the call's timeout, `--timeout`,
              5 s by default; saying so after a second) until it leaves `held`, and
              retrieves it then as any attach does. If the old one does not let go in
-             time, the note goes and the error says so: nothing was changed. Two `attach -d` at once: the note is created by one of
-             them, and the other is told who is taking the session over.
+             time, the note goes and the error says so: nothing was changed. Two
+             `attach -d` at once: one of them creates the note, and the other is told
+             who is taking the session over.
 
 The requester removes its note when it is done, whatever happened; a note left by one that
 was killed is stale once expired or once its writer is proven gone, and is replaced.
