@@ -308,3 +308,27 @@ def test_an_attachment_in_a_library_caller_puts_its_sigusr1_handler_back() -> No
         assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_two_takeovers_at_once_one_wins_and_the_other_is_told(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    old, pid = escrowctl_attached(pty_children, holder, "s4")
+    racers = [pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                            f"{RUN_OWNER}/s4"]) for _ in range(2)]
+    assert old.proc.wait(TIMEOUT) == 0
+    assert b"taken over by escrowctl attach -d" in old.read_available(until=b"taken over")
+    wait_for(lambda: any(r.proc.poll() is not None for r in racers), TIMEOUT,
+             "one takeover to give up")
+    (loser,) = [r for r in racers if r.proc.poll() is not None]
+    (winner,) = [r for r in racers if r is not loser]
+    told = loser.read_available().decode(errors="replace")
+    assert loser.proc.returncode == 1, told
+    assert "is being taken over already" in told or "meanwhile" in told, told
+    assert "nothing was changed" in told, told
+    wait_for(lambda: (s := session(holder, "s4")) is not None
+             and (s.state, s.custodian_pid) == ("held", winner.pid), TIMEOUT,
+             "the winner to hold it")
+    still_attached(winner, holder, "s4", winner.pid)
+    os.write(winner.master, b"\x1c")
+    assert b"detached from" in winner.read_available(until=b"attach again with")
