@@ -310,12 +310,13 @@ def attach(client: EscrowClient, session_id: str, detach_key: int | None,
     terminal = LocalTerminal()
     custody = client.custody()
     try:
+        asked = time.time()
         try:
             got = custody.retrieve(session_id, journal=True)
         except errors.CustodyHeld as exc:
             if not steal:
                 raise takeover.held_by(client, session_id, exc, steal) from None
-            got = takeover.take_over(client, custody, session_id, exc)
+            got = takeover.take_over(client, custody, session_id, exc, asked)
     except BaseException:
         custody.close()
         raise

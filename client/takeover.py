@@ -179,19 +179,26 @@ def held_by(client: EscrowClient, session_id: str, exc: errors.CustodyHeld,
 
 
 def take_over(client: EscrowClient, custody: Custody, session_id: str,
-              held: errors.CustodyHeld) -> Retrieved:
+              held: errors.CustodyHeld, asked: float) -> Retrieved:
     """Ask the attachment that holds `session_id` to let go, wait for it, and retrieve the
-    session into `custody` (with its journal), as `Custody.retrieve` does.
+    session into `custody` (with its journal), as `Custody.retrieve` does. `asked`: when
+    the retrieve that got `held` was sent (Unix time); a custody taken since is not the
+    one this takeover is for.
 
     Error handling: a custodian that did not consent (an app) raises CustodyHeld naming
     it, and nothing is sent to it; another takeover of it under way raises Busy; one that
-    does not let go within the client's timeout, or a third process that takes the session first,
-    raises CustodyHeld. In each case nothing was changed."""
+    does not let go within the client's timeout, or another process that takes the
+    session first (another `attach -d` at the same time), raises CustodyHeld. In each case
+    nothing was changed."""
     started, deadline = time.monotonic(), client.timeout
     ref = f"{client.owner}/{session_id}"
     info = _session(client, session_id)
     if info is None or info.state != "held":
-        return custody.retrieve(session_id, journal=True)  # it let go meanwhile
+        return _retrieve(client, custody, session_id)  # it let go meanwhile
+    if info.state_since >= asked:  # the same clock: the holder's is this host's
+        # Taken since this attach asked (another `attach -d` at the same time): it keeps it.
+        raise errors.CustodyHeld(f"{ref} was taken by pid {info.custodian_pid} meanwhile; "
+                                 "nothing was changed", session_id)
     custodian = consented(info)
     if custodian is None:
         raise held_by(client, session_id, held, steal=True)
@@ -207,7 +214,7 @@ def take_over(client: EscrowClient, custody: Custody, session_id: str,
     try:
         if not platform.signal_if(pid, SIGNAL, lambda: _still_consenting(client, session_id,
                                                                         custodian)):
-            return custody.retrieve(session_id, journal=True)  # it let go meanwhile
+            return _retrieve(client, custody, session_id)  # it let go meanwhile
         said = False
         while True:
             info = _session(client, session_id)
@@ -232,6 +239,18 @@ def take_over(client: EscrowClient, custody: Custody, session_id: str,
             time.sleep(_POLL)
     finally:
         _remove_note(path)
+
+
+def _retrieve(client: EscrowClient, custody: Custody, session_id: str) -> Retrieved:
+    """Retrieve a session that is no longer held by the attachment asked; another that took
+    it first is named."""
+    try:
+        return custody.retrieve(session_id, journal=True)
+    except (errors.CustodyHeld, errors.Busy):
+        info = _session(client, session_id)
+        by = f" by pid {info.custodian_pid}" if info and info.custodian_pid else ""
+        raise errors.CustodyHeld(f"{client.owner}/{session_id} was taken{by} meanwhile; "
+                                 "nothing was changed", session_id) from None
 
 
 def _still_consenting(client: EscrowClient, session_id: str,
