@@ -200,6 +200,14 @@ def take_over(client: EscrowClient, custody: Custody, session_id: str,
         raise errors.CustodyHeld(f"{ref} was taken by pid {info.custodian_pid} meanwhile; "
                                  "nothing was changed", session_id)
     custodian = consented(info)
+    # Held for under a second: perhaps by an attach that has just taken it and is about
+    # to consent (it does once its handler is installed).
+    while custodian is None and time.time() - info.state_since < SAY_AFTER:
+        time.sleep(_POLL)
+        now = _session(client, session_id)
+        if now is None or now.state != "held" or now.custodian_pid != info.custodian_pid:
+            return _retrieve(client, custody, session_id)
+        custodian = consented(now)
     if custodian is None:
         raise held_by(client, session_id, held, steal=True)
     pid, start = custodian
