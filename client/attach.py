@@ -46,15 +46,15 @@ import termios
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
-from . import errors
+from . import errors, takeover
 from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
 from .custody import Custody
 from .detach_key import DEFAULT_DETACH_KEY, DOUBLE_PRESS, DetachKey, key_name, parse_key
-from .liveness import process_name
 from .local_terminal import READ_SIZE, RESET, LocalTerminal, TerminalGone
 from .protocol import LIVE_STATES
 from .repaint import repaint
@@ -99,7 +99,7 @@ class Attachment:
 
     def __init__(self, custody: Custody, session_id: str, master: int, terminal: LocalTerminal,
                  keys: DetachKey, child: subprocess.Popen[bytes] | None = None,
-                 exiting: bool = False) -> None:
+                 exiting: bool = False, consent: takeover.Consent | None = None) -> None:
         self.custody = custody
         self.session_id = session_id
         self.master = master
@@ -109,6 +109,7 @@ class Attachment:
         # The process exits once this has said how it ended (escrowctl): the keys that
         # signal stay ignored until then (client/attach_signals.py says why).
         self.exiting = exiting
+        self.consent = consent  # to be taken over by `escrowctl attach -d`
         self._signals = Signals(terminal, child is not None)
         self._size = (0, 0)  # the session's, as last set
         self._replies = Replies(None)  # what the local terminal answers, kept from the program
@@ -122,7 +123,8 @@ class Attachment:
         try:
             self._size = termios.tcgetwinsize(self.master)
             try:
-                with self._signals.handled(), self.terminal.raw():
+                with self._signals.handled(), self.terminal.raw(), \
+                        self.consent.given() if self.consent else nullcontext():
                     if replay is not None:
                         self._write_local(RESET + safe_replay(replay) + after_replay(replay)
                                           + ASK)
@@ -255,6 +257,9 @@ class Attachment:
         for signum in pending:
             if signum in DETACHING:
                 return Ending(True, DETACHING[signum])
+            if signum == takeover.SIGNAL and self.consent is not None \
+                    and (why := self.consent.asked()) is not None:
+                return Ending(True, why)
             if signum == signal.SIGCHLD and self.child is not None \
                     and self.child.poll() is not None:
                 self._tail()
@@ -291,41 +296,33 @@ class Attachment:
 
 
 def attach(client: EscrowClient, session_id: str, detach_key: int | None,
-           exiting: bool = False) -> Ending:
+           exiting: bool = False, steal: bool = False) -> Ending:
     """`escrowctl attach`: retrieve `session_id` into custody (with its journal) and
-    attach it to this process's terminal until it detaches or ends.
+    attach it to this process's terminal until it detaches or ends. With `steal`
+    (`attach -d`), an attach elsewhere that holds it is asked to let go first
+    (client/takeover.py); this attachment can be taken over likewise.
 
-    Error handling: a session held by a custodian (an app, another attach) raises
-    CustodyHeld naming the custodian's pid, and changes nothing; the holder's answers
+    Error handling: a session held by a custodian (an app, another attach not `steal`
+    asked to let go) raises CustodyHeld naming the custodian's pid, and changes nothing;
+    the holder's answers
     (SessionUnknown, Released...) are raised as they come. A stdin or stdout that is not a
     terminal raises NotATerminal before the holder is asked anything."""
     terminal = LocalTerminal()
     custody = client.custody()
     try:
-        got = custody.retrieve(session_id, journal=True)
-    except errors.CustodyHeld as exc:
-        custody.close()
-        raise _held_by_whom(client, session_id, exc) from None
+        asked = time.time()
+        try:
+            got = custody.retrieve(session_id, journal=True)
+        except errors.CustodyHeld as exc:
+            if not steal:
+                raise takeover.held_by(client, session_id, exc, steal) from None
+            got = takeover.take_over(client, custody, session_id, exc, asked)
     except BaseException:
         custody.close()
         raise
+    consent = takeover.Consent(custody, client, session_id, got.session.meta)
     return Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
-                      exiting=exiting).run(got.replay)
-
-
-def _held_by_whom(client: EscrowClient, session_id: str,
-                  exc: errors.CustodyHeld) -> errors.CustodyHeld:
-    try:
-        info = next((s for s in client.list() if s.id == session_id), None)
-    except errors.EscrowError:
-        info = None
-    if info is None or info.custodian_pid is None:
-        return exc
-    name = process_name(info.custodian_pid)
-    return errors.CustodyHeld(
-        f"{client.owner}/{session_id} is held by pid {info.custodian_pid}"
-        f"{f' ({name})' if name else ''}: an app shows it, or it is attached elsewhere; "
-        "nothing was changed", session_id)
+                      exiting=exiting, consent=consent).run(got.replay)
 
 
 def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
@@ -355,5 +352,6 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         end(child)
         raise
     return Attachment(custody, session_id, master, terminal, DetachKey(detach_key),
-                      child, exiting=exiting).run()
+                      child, exiting=exiting,
+                      consent=takeover.Consent(custody, client, session_id, {})).run()
 

@@ -2,9 +2,9 @@
 
 SIGTERM, SIGHUP and SIGINT detach (`DETACHING`: the session goes on, drained by the holder
 again); SIGWINCH gives the session the local terminal's new size; SIGCHLD, for `run`, may
-mean the program exited. Their handlers only note the signal; a wake-up fd
-(`signal.set_wakeup_fd`) makes the loop's select see it, so that none is missed between a
-check and the wait.
+mean the program exited; SIGUSR1 may be a takeover (client/takeover.py checks). Their
+handlers only note the signal; a wake-up fd (`signal.set_wakeup_fd`) makes the loop's
+select see it, so that none is missed between a check and the wait.
 
 Once only does a handler do more: a write to a local terminal that does not read (a dropped
 ssh link, a frozen emulator) would block for ever, and nothing but SIGKILL would end
@@ -54,7 +54,8 @@ class Signals:
 
     def __init__(self, terminal: LocalTerminal, child: bool) -> None:
         self.terminal = terminal
-        self._wanted = [signal.SIGWINCH, *DETACHING]
+        # SIGUSR1: a takeover, perhaps (client/takeover.py checks it is one).
+        self._wanted = [signal.SIGWINCH, signal.SIGUSR1, *DETACHING]
         if child:
             self._wanted.append(signal.SIGCHLD)
         self._noted: list[int] = []

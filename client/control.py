@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import errors, liveness, platform, protocol
+from . import errors, liveness, processes, protocol
 from .liveness import Verdict
 
 
@@ -54,8 +54,8 @@ def target(verdict: Verdict) -> Target:
     keeper = status.keeper_pid
     if keeper is not None:
         try:
-            parent = platform.process_parent(holder_pid)
-        except (platform.NoSuchProcess, OSError, ValueError):
+            parent = processes.process_parent(holder_pid)
+        except (processes.NoSuchProcess, OSError, ValueError):
             parent = None
         if lock_pid != keeper or parent != keeper:
             raise NotProven(f"the holder (pid {holder_pid}) names its keeper pid {keeper}, "

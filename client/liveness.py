@@ -18,12 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from . import deadlines, errors, paths, platform, protocol, trust
+from . import deadlines, errors, paths, processes, protocol, trust
 from .channel import MAX_RESPONSE_BYTES
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket, lock_holder_pid, peer_credentials
 
-# platform.py reads a Linux process from /proc itself: psutil would be a quarter of
+# processes.py reads a Linux process from /proc itself: psutil would be a quarter of
 # `escrowctl status`'s start. psutil's start times are boot time plus clock ticks: the same
 # process always gives the same figure, a different one differs by at least a tick.
 _SAME_START = 1e-3
@@ -33,8 +33,8 @@ _CANNOT_TELL = (OSError, ValueError, OverflowError)
 
 def process_start_time(pid: int) -> float | None:
     try:
-        return platform.process_state(pid)[1]
-    except (platform.NoSuchProcess, *_CANNOT_TELL):
+        return processes.process_state(pid)[1]
+    except (processes.NoSuchProcess, *_CANNOT_TELL):
         return None
 
 
@@ -43,8 +43,8 @@ def process_alive(pid: int | None, start_time: float | None) -> bool | None:
     if pid is None or not 0 < pid < 1 << 31:
         return None  # not a pid at all (a record gone wrong): nothing can be told of it
     try:
-        zombie, created = platform.process_state(pid)
-    except platform.NoSuchProcess:
+        zombie, created = processes.process_state(pid)
+    except processes.NoSuchProcess:
         return False
     except _CANNOT_TELL:
         return None
@@ -67,8 +67,8 @@ def started_otherwise(pid: int, start_time: float | None) -> bool:
 def process_name(pid: int) -> str | None:
     """The name of process `pid` (`escrowctl`, `python3`...), or None if it cannot be told."""
     try:
-        return platform.process_name(pid) or None
-    except (platform.NoSuchProcess, *_CANNOT_TELL):
+        return processes.process_name(pid) or None
+    except (processes.NoSuchProcess, *_CANNOT_TELL):
         return None
 
 

@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from conftest import wait_for
-from escrow_client import platform
+from escrow_client import processes
 from escrow_client.liveness import process_alive, process_start_time
 from escrowd.pidwatch import wait_exit
 
@@ -95,7 +95,7 @@ def test_a_process_whose_main_thread_exited_is_alive_until_its_last_thread_is(
     """`Z` with a thread still running: alive, not a zombie, the same start time. Once
     its last thread has exited (stdin closed) and before it is reaped: dead."""
     child, started = leaderless
-    assert platform.process_state(child.pid) == (False, started)
+    assert processes.process_state(child.pid) == (False, started)
     assert process_alive(child.pid, started) is True
     assert process_alive(child.pid, None) is None  # alive, and which process: not asked
     assert child.stdin is not None
@@ -103,7 +103,7 @@ def test_a_process_whose_main_thread_exited_is_alive_until_its_last_thread_is(
     wait_for(lambda: _threads(child.pid) == 1, what="its last thread gone")
     assert _state(child.pid) == "Z"
     assert process_alive(child.pid, started) is False
-    assert platform.process_state(child.pid)[0] is True
+    assert processes.process_state(child.pid)[0] is True
     child.wait()
     assert process_alive(child.pid, started) is False
 

@@ -34,7 +34,7 @@ NOBODY = 65534
 _CHECK = """
 import json, os, sys
 import psutil
-from escrow_client import liveness, platform
+from escrow_client import liveness, platform, processes
 
 asked, uid = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 if uid is not None:
@@ -65,8 +65,8 @@ def psutil_call(pid, what):
 
 def ours_parent(pid):
     try:
-        return platform.process_parent(pid)
-    except (platform.NoSuchProcess, OSError, ValueError):
+        return processes.process_parent(pid)
+    except (processes.NoSuchProcess, OSError, ValueError):
         return None
 
 out = {}

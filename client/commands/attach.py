@@ -10,7 +10,7 @@ import argparse
 import shlex
 import sys
 
-from .. import attach
+from .. import attach, takeover
 from . import describe
 from .arguments import add_detach_key, add_session_ref, client
 
@@ -27,13 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the program ends while attached, the session is released.",
     )
     add_session_ref(p)
+    p.add_argument("-d", "--steal", action="store_true",
+                   help="if another escrowctl attach (or run) has the session, make it "
+                   "detach and attach here; an app's is still left alone")
     add_detach_key(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     owner, sid = args.session
-    ending = attach.attach(client(args, owner), sid, args.detach_key, exiting=True)
+    takeover.catch_stray()
+    ending = attach.attach(client(args, owner), sid, args.detach_key, exiting=True,
+                           steal=args.steal)
     return ended(args, owner, sid, ending)
 
 

@@ -10,7 +10,7 @@ import re
 import shlex
 import uuid
 
-from .. import attach
+from .. import attach, takeover
 from . import Failed, describe
 from .arguments import ADMIN_OWNER, add_detach_key, client, name
 from .attach import ended
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         command = [os.environ.get("SHELL") or "/bin/sh"]
     sid = args.id or _run_id(command[0])
     label = args.label if args.label is not None else shlex.join(command)[:256]
+    takeover.catch_stray()
     try:
         ending = attach.run(client(args, args.owner), command, sid, label, args.detach_key,
                             exiting=True)

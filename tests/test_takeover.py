@@ -1,0 +1,339 @@
+"""`escrowctl attach -d`: taking a session over from another escrowctl attach or run
+(client/takeover.py).
+
+On a real screen (tmux, the panes of test_attach.py): a session in `escrowctl run` in one
+pane is taken over from another, then taken back with `attach -d` from the first; the pane
+that lets go shows why and its prompt, with its terminal modes as they were. Without a
+screen, in a bare PTY: what is never taken over (an app's custody, a consent that cannot be
+believed), what a stray SIGUSR1 does (nothing), and the answers of a takeover that cannot
+happen (another under way, an attachment that does not let go).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import psutil
+import pytest
+from test_attach import (
+    ESCROWCTL,
+    INNER,
+    INNER_BASH,
+    OUTER,
+    RUN_OWNER,
+    TIMEOUT,
+    Pane,
+    escrowctl_in_a_pty,
+    screens,  # noqa: F401  (a fixture)
+    session,
+)
+from test_attach import Screens as Screens
+
+from conftest import OWNER, HolderProcess, PtyChild, wait_for
+from escrow_client import SessionInfo, liveness, takeover
+from escrow_client.attach_signals import Signals
+
+
+def consenting(holder: HolderProcess, sid: str, other_than: int | None = None) -> int:
+    """The pid of the escrowctl attached to `sid` (not `other_than`), once it can be taken
+    over."""
+    def pid() -> int | None:
+        info = session(holder, sid)
+        if info is None or not takeover.consented(info) or info.custodian_pid == other_than:
+            return None
+        return info.custodian_pid
+
+    wait_for(pid, TIMEOUT, f"{sid} to be attached elsewhere, and consent to a takeover")
+    found = pid()
+    assert found is not None
+    return found
+
+
+def attached_in(pane: Pane, script: str) -> None:
+    """Run `script` in `pane`, between two `stty -g` and with its exit status shown."""
+    d = pane.server.dir
+    pane.line(f"stty -g >{d}/{pane.name}.before; {script}; echo \"rc=$?\"; "
+              f"stty -g >{d}/{pane.name}.after")
+
+
+def let_go(pane: Pane, by: Pane, by_pid: int) -> None:
+    """`pane` was taken over by `by`: it says so, exits 0, and has its modes back."""
+    tty = by.value("#{pane_tty}")
+    pane.wait_text(f"taken over by escrowctl attach -d (pid {by_pid}, {tty})")
+    assert pane.wait_line(r"^rc=(\d+)$")[1] == "0"
+    pane.wait_prompt(OUTER)
+    d = pane.server.dir
+    after = d / f"{pane.name}.after"
+    wait_for(lambda: after.exists() and after.read_text().endswith("\n"), TIMEOUT, "stty -g")
+    assert after.read_text() == (d / f"{pane.name}.before").read_text()
+
+
+def test_attach_d_takes_a_session_over_from_run_and_from_attach(
+    screens: Screens, holder: HolderProcess  # noqa: F811
+) -> None:
+    a, b = screens.pane("a"), screens.pane("b")
+    attached_in(a, f"escrowctl run --id t1 -- {INNER_BASH}")
+    a.wait_prompt(INNER)
+    info = session(holder, "t1")
+    assert info is not None and info.child_pid is not None
+    shell = info.child_pid
+    first = consenting(holder, "t1")
+    a.line("echo 'before'-takeover")
+
+    # b takes it from `run` in a: the replay, then typing reaches the same shell.
+    attached_in(b, "escrowctl attach -d escrowctl/t1")
+    second = consenting(holder, "t1", other_than=first)
+    let_go(a, b, second)
+    b.wait_text("before-takeover")
+    b.line('echo "on-b:$$"')
+    b.wait_line(rf"^on-b:{shell}$")
+
+    # a takes it back from `attach` in b.
+    a.line("escrowctl attach -d escrowctl/t1")
+    third = consenting(holder, "t1", other_than=second)
+    let_go(b, a, third)
+    a.line('echo "on-a:$$"')
+    a.wait_line(rf"^on-a:{shell}$")
+    assert psutil.Process(shell).is_running()
+    a.line("exit")
+    a.wait_text(f"{RUN_OWNER}/t1 has ended")
+
+
+# --- without a screen -------------------------------------------------------------------
+
+
+@pytest.fixture
+def usr1_noted() -> Callable[[], list[int]]:
+    """SIGUSR1 to this process noted, not fatal, for the test; what came so far."""
+    came: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        came.append(signum)
+
+    old = signal.signal(signal.SIGUSR1, note)
+    yield lambda: list(came)
+    signal.signal(signal.SIGUSR1, old)
+
+
+def test_an_apps_custody_is_refused_and_the_app_never_signalled(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    usr1_noted: Callable[[], list[int]]
+) -> None:
+    program = pty_children(["sh", "-c", "echo held-here; exec sleep 60"])
+    bystander = subprocess.Popen(["sleep", "60"])  # dies of a SIGUSR1
+    try:
+        with holder.client().custody() as custody:
+            custody.deposit("t1", program.master, child_pid=program.pid, label="sh")
+            before = session(holder, "t1", OWNER)
+            rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{OWNER}/t1")
+            assert rc == 1
+            assert f"{OWNER}/t1 is held by pid {os.getpid()} (" in out, out
+            assert "an app: it must let go; nothing was changed" in out, out
+
+            # A consent in the meta that names another process (one an app copied, say)
+            # is none: the process it names is not signalled either.
+            start = liveness.process_start_time(bystander.pid)
+            custody.update("t1", meta={takeover.KEY: f"{bystander.pid} {start!r}"})
+            rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{OWNER}/t1")
+            assert rc == 1 and "an app: it must let go" in out, out
+            after = session(holder, "t1", OWNER)
+            assert after is not None and before is not None
+            assert (after.state, after.custodian_pid) == ("held", os.getpid())
+            assert b"held-here" in program.read_available(until=b"held-here")  # still ours
+            custody.release("t1")
+        assert usr1_noted() == []
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_consent_is_believed_only_of_its_pid_start_time_and_uid(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    me = os.getpid()
+    start = liveness.process_start_time(me)
+
+    def info(custodian: int | None, value: str, state: str = "held") -> SessionInfo:
+        return SessionInfo(owner=OWNER, id="t1", state=state, custodian_pid=custodian,
+                           meta={takeover.KEY: value})
+
+    assert takeover.consented(info(me, f"{me} {start!r}")) == (me, start)
+    assert takeover.consented(info(me, f"{me} {start!r}", "draining")) is None
+    assert takeover.consented(info(me, f"{me} {(start or 0) + 5!r}")) is None  # reused pid
+    assert takeover.consented(info(me, f"{me + 1} {start!r}")) is None  # not the custodian
+    assert takeover.consented(info(me, "garbage")) is None
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    assert takeover.consented(info(me, f"{me} {start!r}")) is None  # another uid's
+
+
+def escrowctl_attached(pty_children: Callable[..., PtyChild], holder: HolderProcess,
+                       sid: str) -> tuple[PtyChild, int]:
+    """`escrowctl run` of a `cat` in a PTY of its own, attached and consenting."""
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", sid, "--",
+                          "sh", "-c", "echo re''ady; exec cat"])
+    assert b"ready" in child.read_available(until=b"ready")
+    return child, consenting(holder, sid)
+
+
+def still_attached(child: PtyChild, holder: HolderProcess, sid: str, pid: int) -> None:
+    """Typing still reaches the program, and the session is held by the same escrowctl."""
+    os.write(child.master, b"still-here\r")
+    assert b"still-here" in child.read_available(until=b"still-here\r\nstill-here")
+    info = session(holder, sid)
+    assert info is not None and (info.state, info.custodian_pid) == ("held", pid)
+
+
+def write_note(holder: HolderProcess, note: takeover.Note, mode: int = 0o600) -> str:
+    path = takeover.note_path(holder.socket, note.for_pid)
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(note), f)
+    os.chmod(path, mode)
+    return path
+
+
+def note_for(holder: HolderProcess, pid: int, sid: str, **changes: object) -> takeover.Note:
+    start = liveness.process_start_time(pid)
+    assert start is not None
+    note = takeover.Note(RUN_OWNER, sid, pid, start, os.getpid(),
+                         liveness.process_start_time(os.getpid()), "/dev/pts/x",
+                         time.time() + 60)
+    return dataclasses.replace(note, **changes)  # type: ignore[arg-type]
+
+
+def test_a_stray_sigusr1_changes_nothing(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    child, pid = escrowctl_attached(pty_children, holder, "s1")
+    os.kill(pid, signal.SIGUSR1)  # no note at all
+    still_attached(child, holder, "s1", pid)
+    # Notes it must not believe: for another session, open to others, expired, from a
+    # requester that is gone.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for note, mode in ((note_for(holder, pid, "other"), 0o600),
+                       (note_for(holder, pid, "s1"), 0o644),
+                       (note_for(holder, pid, "s1", expires=time.time() - 1), 0o600),
+                       (note_for(holder, pid, "s1", by_pid=gone.pid), 0o600)):
+        path = write_note(holder, note, mode)
+        os.kill(pid, signal.SIGUSR1)
+        still_attached(child, holder, "s1", pid)
+        os.unlink(path)
+    os.write(child.master, b"\x1c")
+    assert b"detached from" in child.read_available(until=b"attach again with")
+    assert child.proc.wait(TIMEOUT) == 0
+
+
+# The program of a `run`: it closes its terminal (the attachment ends, and escrowctl
+# releases the session and waits for it), waits for the release, sends escrowctl a
+# SIGUSR1, and exits 3.
+_SIGNALS_ITS_PARENT = """
+import json, os, signal, subprocess, sys, time
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the hang-up of its terminal, closed
+for fd in (0, 1, 2):
+    os.close(fd)
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    out = subprocess.run([sys.argv[1], "--socket", sys.argv[2], "list", "--json"],
+                         capture_output=True, stdin=subprocess.DEVNULL).stdout
+    if any(s["id"] == "s3" and s["state"] == "released" for s in json.loads(out or "[]")):
+        break
+    time.sleep(0.02)
+os.kill(os.getppid(), signal.SIGUSR1)
+sys.exit(3)
+"""
+
+
+def test_a_sigusr1_outside_an_attachment_does_not_kill_escrowctl(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "s3", "--",
+                          sys.executable, "-c", _SIGNALS_ITS_PARENT, ESCROWCTL,
+                          holder.socket])
+    assert child.proc.wait(TIMEOUT) == 3  # not killed by the signal (-SIGUSR1)
+
+
+def test_a_takeover_under_way_and_one_not_let_go_change_nothing(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild]
+) -> None:
+    # Budgets that let a --timeout of 1.5 s retrieve (the timeout invariant).
+    holder = make_holder("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
+    child, pid = escrowctl_attached(pty_children, holder, "s2")
+    # Another takeover under way (its requester, this process, runs): told, nothing sent.
+    path = write_note(holder, note_for(holder, pid, "s2"))
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/s2")
+    assert rc == 1 and f"is being taken over already by pid {os.getpid()}" in out, out
+    assert "(busy)" in out, out
+    still_attached(child, holder, "s2", pid)
+    # A stale note (its requester gone) is replaced; an attachment that does not let go
+    # (stopped) costs the deadline, and nothing changes.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    write_note(holder, note_for(holder, pid, "s2", by_pid=gone.pid))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        rc, out = escrowctl_in_a_pty(pty_children, holder, "--timeout", "1.5", "attach",
+                                     "-d", f"{RUN_OWNER}/s2")
+    finally:
+        os.kill(pid, signal.SIGCONT)  # its SIGUSR1 comes now, with no note left
+    assert rc == 1, out
+    assert f"waiting for pid {pid} to let go of {RUN_OWNER}/s2" in out, out
+    assert f"pid {pid}, attached to {RUN_OWNER}/s2, did not let go within 1.5 s; nothing " \
+        "was changed" in out, out
+    assert not os.path.exists(path)
+    still_attached(child, holder, "s2", pid)
+    os.write(child.master, b"\x1c")
+    assert b"detached from" in child.read_available(until=b"attach again with")
+
+
+def test_an_attachment_in_a_library_caller_puts_its_sigusr1_handler_back() -> None:
+    def mine(signum: int, frame: FrameType | None) -> None:
+        pass
+
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        signals = Signals(None, False)  # type: ignore[arg-type]  (no terminal is written)
+        with signals.handled():
+            assert signal.getsignal(signal.SIGUSR1) is not mine
+        signals.keyboard_back()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_two_takeovers_at_once_one_ends_up_with_it_and_the_other_is_told(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    old, pid = escrowctl_attached(pty_children, holder, "s4")
+    racers = [pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                            f"{RUN_OWNER}/s4"]) for _ in range(2)]
+    assert old.proc.wait(TIMEOUT) == 0
+    assert b"taken over by escrowctl attach -d" in old.read_available(until=b"taken over")
+    wait_for(lambda: any(r.proc.poll() is not None for r in racers), TIMEOUT,
+             "one takeover to give up")
+    (loser,) = [r for r in racers if r.proc.poll() is not None]
+    (winner,) = [r for r in racers if r is not loser]
+    told = loser.read_available().decode(errors="replace")
+    if loser.proc.returncode == 0:
+        # It took the session first; the other asked only once it had it, and took it
+        # over in turn.
+        assert f"taken over by escrowctl attach -d (pid {winner.pid}," in told, told
+    else:  # their requests crossed
+        assert loser.proc.returncode == 1, told
+        assert any(why in told for why in ("is being taken over already", "meanwhile")), told
+        assert "nothing was changed" in told, told
+    wait_for(lambda: (s := session(holder, "s4")) is not None
+             and (s.state, s.custodian_pid) == ("held", winner.pid), TIMEOUT,
+             "the winner to hold it")
+    still_attached(winner, holder, "s4", winner.pid)
+    os.write(winner.master, b"\x1c")
+    assert b"detached from" in winner.read_available(until=b"attach again with")
