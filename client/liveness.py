@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from . import deadlines, errors, paths, platform, protocol, trust
+from . import advice, deadlines, errors, paths, platform, protocol, trust
 from .channel import MAX_RESPONSE_BYTES
 from .fdpass import close_fds, recv_frame, send_frame
 from .platform import harden_socket, lock_holder_pid, peer_credentials
@@ -307,10 +307,12 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     """
     try:
         trust.check_socket_dir(socket_path)
-    except errors.HolderUnavailable as exc:
+    except errors.HolderUnavailable:
         # No directory: no lock file, no socket, nothing. Nothing else is looked at (a
         # directory made there meanwhile would be someone else's to fill).
-        return Verdict("not_running", socket_path, reason=f"{exc}: nothing exists there",
+        return Verdict("not_running", socket_path,
+                       reason=f"the directory of {socket_path} does not exist: nothing "
+                       "exists there",
                        evidence={"trust": None, "timeout": timeout})
     except errors.EscrowError as exc:
         # Another user's directory: its files and its listener prove nothing about our
@@ -416,7 +418,7 @@ def _why_indeterminate(before: LockState, after: LockState, probe: SocketProbe,
         return (f"nobody holds the lock and the socket does not answer, but the pidfile "
                 f"names pid {record.pid}, which is alive and started when it recorded")
     if socket_file == "other":
-        return f"{socket_path} exists and is not a socket"
+        return advice.not_a_socket(socket_path) or f"{socket_path} exists and is not a socket"
     if probe.answer in _NOT_SERVING:
         return "holder files appeared or vanished while status looked"
     detail = f": {probe.error}" if probe.error else ""

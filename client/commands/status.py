@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from .. import liveness, paths
+from .. import advice, liveness, paths
 from ..liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from ..protocol import HolderStatus
 from . import describe
@@ -104,7 +104,10 @@ def _holder_dict(status: HolderStatus) -> dict[str, Any]:
 def _status_text(verdict: Verdict, buffered: int | None) -> str:
     status = verdict.holder
     if status is None:
-        return _no_answer_text(verdict)
+        text = _no_answer_text(verdict)
+        if verdict.state in ("not_running", "dead"):
+            text += f"\n  next      {advice.start_holder(verdict.socket)}"
+        return text
     by_state = ", ".join(f"{n} {state}" for state, n in sorted(status.sessions_by_state.items()))
     lines = [
         f"escrowd: {verdict.state} (pid {status.pid}, version {status.version})",
@@ -135,7 +138,9 @@ def _no_answer_text(verdict: Verdict) -> str:
     if "socket_answer" not in ev:  # refused on trust before anything was looked at
         return f"escrowd: {verdict.state} on {verdict.socket}\n  {verdict.reason}"
     answer = _ANSWER_TEXT.get(ev["socket_answer"], ev["socket_answer"])
-    if ev.get("socket_error"):
+    if ev.get("socket_file") == "other":
+        answer = "not a socket: nothing can listen there"  # what "refused" meant here
+    elif ev.get("socket_error"):
         answer += f": {ev['socket_error']}"
     lock = {"held": f"held by {_pid_text(ev['lock_holder_pid'])}", "free": "free",
             "missing": "no lock file (free)"}.get(ev["lock"], ev["lock"])
