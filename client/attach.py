@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import errors
+from . import errors, waiting
 from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
@@ -122,7 +122,7 @@ class Attachment:
         try:
             self._size = termios.tcgetwinsize(self.master)
             try:
-                with self._signals.handled(), self.terminal.raw():
+                with self._signals.handled(), self.terminal.raw(), waiting.quiet():
                     if replay is not None:
                         self._write_local(RESET + safe_replay(replay) + after_replay(replay)
                                           + ASK)

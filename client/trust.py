@@ -97,9 +97,10 @@ def check_socket_dir(socket_path: str) -> None:
         )
 
 
-def check_peer(sock: socket.socket, socket_path: str) -> None:
+def check_peer(sock: socket.socket, socket_path: str) -> int | None:
     """Raise Forbidden unless the process listening on the connected `sock` runs as this
-    uid. Nothing has been sent when this is called."""
+    uid; its pid (None where the kernel does not name it). Nothing has been sent when this
+    is called."""
     try:
         pid, peer_uid = peer_credentials(sock)
     except OSError as exc:
@@ -114,6 +115,7 @@ def check_peer(sock: socket.socket, socket_path: str) -> None:
             f"{who} listening on {socket_path} runs as uid {peer_uid}, expected your own "
             f"uid {uid}: refusing to send it anything"
         )
+    return pid
 
 
 def _readlink(path: str) -> str:

@@ -16,6 +16,7 @@ import msgspec
 from .. import advice, liveness, paths
 from ..liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from ..protocol import HolderStatus
+from ..serving import serving_holder
 from . import describe
 from .arguments import add_sub_timeout
 from .text import duration, print_json, size
@@ -154,6 +155,7 @@ def _no_answer_text(verdict: Verdict) -> str:
         pidfile = "unreadable (empty or half-written)" if record["exists"] else "none"
     lines = [
         f"escrowd: {verdict.state.replace('_', ' ')} on {verdict.socket}{pid}",
+        *_stuck(verdict),
         f"  {verdict.reason}",
         f"  socket    {answer}",
         f"  lock      {lock}",
@@ -162,6 +164,19 @@ def _no_answer_text(verdict: Verdict) -> str:
     if ev["leftovers"]:
         lines.append(f"  leftover  {', '.join(ev['leftovers'])}")
     return "\n".join(lines)
+
+
+def _stuck(verdict: Verdict) -> list[str]:
+    """The holder that does not answer, named when its listener is its keeper: the
+    keeper's pid (the lock's, the peer's) alone would point at a process that is fine."""
+    keeper = verdict.evidence.get("socket_peer_pid")
+    if verdict.state != "unresponsive" or keeper is None:
+        return []
+    holder = serving_holder(verdict.socket, keeper)
+    if holder is None or holder == keeper:
+        return []
+    return [f"  holder pid {holder} is not answering (its keeper pid {keeper} is alive and "
+            "holds the socket)"]
 
 
 def _pid_text(pid: int | None) -> str:
