@@ -29,7 +29,8 @@ VERBS = ("status", "stop", "upgrade", "list", "release", "attach", "run", "insta
 # Nothing a call of escrowctl needs but the one verb that uses it.
 EVERY_CALL = (
     "trio", "escrowd", "xml", "urllib", "http", "email", "ssl", "subprocess",
-    "escrow_client.service_files", "escrow_client.service_removal", "escrow_client.custody", "escrow_client.reclaim",
+    "escrow_client.service_files", "escrow_client.service_removal", "escrow_client.custody",
+    "escrow_client.reclaim",
     "escrow_client.retrieve", "escrow_client.resolve", "escrow_client.attach",
     "escrow_client.demo", "escrow_client.control", "escrow_client.autostart",
     "escrow_client.journal", "escrow_client.replies",

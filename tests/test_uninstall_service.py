@@ -37,7 +37,9 @@ def test_uninstall_removes_its_own_units_leaves_an_edited_one_and_stops_nothing(
     enabled = manager.systemctl("is-enabled", "escrowd.socket", check=False).stdout.strip()
     assert enabled != "enabled", enabled
     assert (f"the holder (pid {status.pid}) on {installed.socket} still runs, holding 1 "
-            "session(s): removing the service stopped nothing. `escrowctl stop` stops it") \
+            "session(s): removing the service stopped nothing. `systemctl --user stop "
+            "escrowd.socket escrowd.service` stops it, and hangs up every terminal no app "
+            "holds") \
         in out, out
 
     # Nothing was stopped: the same holder serves, and the session is there.

@@ -50,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
         print("nothing to remove: no service files of install-service's were found")
     if verdict is not None and verdict.state == "running":
         count = "?" if held is None else str(held)
+        under_systemd = verdict.holder is not None and verdict.holder.fd_store == "systemd"
+        how = ("`systemctl --user stop escrowd.socket escrowd.service` stops it, and hangs "
+               "up every terminal no app holds" if under_systemd else
+               "`escrowctl stop` stops it (it refuses while sessions are escrowed; `--force` "
+               "then hangs up the terminals no app holds)")
         print(f"the holder (pid {verdict.pid}) on {socket} still runs, holding {count} "
-              "session(s): removing the service stopped nothing. `escrowctl stop` stops it "
-              "(it refuses while sessions are escrowed; `--force` then hangs up the "
-              "terminals no app holds)")
+              f"session(s): removing the service stopped nothing. {how}")
         if args.kind == "launchd" and held != 0:
             print("the LaunchAgent was not booted out, which would have stopped it")
     elif held is None and removal.socket_path is not None:
