@@ -18,6 +18,7 @@ import pytest
 from test_cli import escrowctl
 
 from conftest import HolderProcess, start_holder
+from escrow_client import EscrowClient, errors, waiting
 
 NOTICE = "escrowctl: waiting for the holder"
 
@@ -68,3 +69,25 @@ def test_a_fast_answer_has_no_notice(holder: HolderProcess) -> None:
         result = escrowctl(holder.socket, *args)
         assert result.returncode == 0, result.stderr
         assert NOTICE not in result.stderr
+
+
+def test_nothing_is_told_while_quiet_and_once_after(wedged: HolderProcess,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process, as escrowctl registers it: inside `quiet()` (an attached program owns
+    the screen) a wait is not told; outside, the first one is, naming the listener."""
+    told: list[tuple[str, int | None, float]] = []
+    monkeypatch.setattr(waiting, "_told", False)
+    waiting.tell_with(lambda *words: told.append(words))
+    try:
+        client = EscrowClient("x", socket_path=wedged.socket, timeout=1.5,
+                              breaker_cooldown=0)
+        with waiting.quiet(), pytest.raises(errors.HolderUnresponsive):
+            client.list()
+        assert told == []
+        with pytest.raises(errors.HolderUnresponsive):
+            client.list()
+        with pytest.raises(errors.HolderUnresponsive):
+            client.list()  # a second wait: not told again
+        assert [(path, pid) for path, pid, _ in told] == [(wedged.socket, wedged.pid)]
+    finally:
+        waiting.tell_with(None)
