@@ -120,7 +120,8 @@ class Channel:
         else:
             self.close()
         return errors.HolderUnresponsive(
-            f"the holder on {self.socket_path} {what} in time", timed_out=True
+            f"the holder on {self.socket_path} {what} in time (stopped or stuck? "
+            f"`escrowctl --socket {self.socket_path} status` names it)", timed_out=True
         )
 
     def _resync(self, deadline: Deadline) -> None:
