@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from . import errors, takeover
+from . import errors, takeover, waiting
 from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
@@ -123,7 +123,7 @@ class Attachment:
         try:
             self._size = termios.tcgetwinsize(self.master)
             try:
-                with self._signals.handled(), self.terminal.raw(), \
+                with self._signals.handled(), self.terminal.raw(), waiting.quiet(), \
                         self.consent.given() if self.consent else nullcontext():
                     if replay is not None:
                         self._write_local(RESET + safe_replay(replay) + after_replay(replay)

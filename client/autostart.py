@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from . import errors, paths
+from . import errors, paths, protocol
 from .interpreter import CHILD_CWD, python_command
 
 # Addressed to the app by its service manager, not to a holder the app happens to start: with
@@ -32,9 +32,12 @@ _SERVICE_MANAGER_VARIABLES = (
 # leader of a new session, and the launcher's exit orphans it.
 _LAUNCHER = (
     "import os, sys\n"
-    "if os.fork() == 0:\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
     "    os.setsid()\n"
+    "    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)\n"  # the pipe is the launcher's alone
     "    os.execv(sys.argv[1], sys.argv[1:])\n"
+    "os.write(1, b'%d' % pid)\n"
     "os._exit(0)\n"
 )
 
@@ -42,6 +45,7 @@ _LAUNCHER = (
 _LAUNCH_TIMEOUT = 10.0
 
 spawned = 0  # holders this process has launched (extra ones exit on the lock)
+launched: list[int] = []  # their pids, as their launcher forked them
 
 
 def spawn_holder(socket_path: str, idle_exit: float) -> None:
@@ -62,7 +66,7 @@ def spawn_holder(socket_path: str, idle_exit: float) -> None:
         launcher = subprocess.run(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, *holder],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             close_fds=True,
             start_new_session=True,
@@ -75,3 +79,16 @@ def spawn_holder(socket_path: str, idle_exit: float) -> None:
         return  # killed; the caller waits for a holder within its deadline and reports that
     if launcher.returncode == 0:
         spawned += 1
+        if launcher.stdout.isdigit():
+            launched.append(int(launcher.stdout))
+
+
+def started_here(status: protocol.HolderStatus) -> int | None:
+    """The pid this process launched, if the holder that gave `status` is that one (or
+    runs under it, as the keeper's holder does); None if it is another, say the one that
+    won the lock while ours exited on it. The status comes from a listener of this uid
+    (`trust`), and the pid from our own launcher: nobody else can make this say yes."""
+    for pid in (status.keeper_pid, status.pid):
+        if pid is not None and pid in launched:
+            return pid
+    return None

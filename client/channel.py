@@ -24,6 +24,7 @@ from typing import Protocol, TypeVar
 from . import breaker, errors, paths, protocol, trust
 from .fdpass import FrameReader, close_fds, recv_frame, send_frame
 from .platform import harden_socket
+from .waiting import waiting
 
 # A response may carry a whole replay ring; requests stay under the holder's 1 MiB.
 MAX_RESPONSE_BYTES = 256 << 20
@@ -78,17 +79,19 @@ class Channel:
         trust.check_socket_dir(socket_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._reader = FrameReader(self.sock, MAX_RESPONSE_BYTES)
+        self.peer_pid: int | None = None  # the listener's, once connected
         try:
             harden_socket(self.sock)
             self._arm(deadline)
-            try:
-                self.sock.connect(socket_path)
-            except TimeoutError:
-                raise self._timed_out("did not accept the connection") from None
-            except OSError as exc:
-                raise trust.connect_error(exc, socket_path) from None
-            trust.check_peer(self.sock, socket_path)
-            reply, _ = self.call(hello, deadline)
+            with waiting(socket_path, lambda: self.peer_pid, deadline.remaining()):
+                try:
+                    self.sock.connect(socket_path)
+                except TimeoutError:
+                    raise self._timed_out("did not accept the connection") from None
+                except OSError as exc:
+                    raise trust.connect_error(exc, socket_path) from None
+                self.peer_pid = trust.check_peer(self.sock, socket_path)
+                reply, _ = self.call(hello, deadline)
             if not isinstance(reply, protocol.Welcome):
                 raise errors.ProtocolViolation(f"expected welcome, got {type(reply).__name__}")
             self.welcome = reply
@@ -117,7 +120,8 @@ class Channel:
         else:
             self.close()
         return errors.HolderUnresponsive(
-            f"the holder on {self.socket_path} {what} in time", timed_out=True
+            f"the holder on {self.socket_path} {what} in time (stopped or stuck? "
+            f"`escrowctl --socket {self.socket_path} status` names it)", timed_out=True
         )
 
     def _resync(self, deadline: Deadline) -> None:
@@ -185,14 +189,15 @@ class Channel:
     def call(
         self, message: protocol.Message, deadline: Deadline, fd: int | None = None
     ) -> tuple[protocol.Response, list[int]]:
-        if self._out_of_step:
-            self._resync(deadline)
-        try:
-            self.send(message, deadline, fd)
-        except errors.EscrowError as exc:
-            exc.request_sent = False  # not all of it left: the holder cannot act on it
-            raise
-        return self.receive(deadline)
+        with waiting(self.socket_path, lambda: self.peer_pid, deadline.remaining()):
+            if self._out_of_step:
+                self._resync(deadline)
+            try:
+                self.send(message, deadline, fd)
+            except errors.EscrowError as exc:
+                exc.request_sent = False  # not all of it left: the holder cannot act on it
+                raise
+            return self.receive(deadline)
 
     def call_for(
         self, message: protocol.Message, expected: type[_R], deadline: Deadline,

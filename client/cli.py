@@ -117,8 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """The verb's exit status, its refusal said on stderr (inside main's handlers, so that
     a reader gone or a Ctrl-C while it is said count as they do anywhere else)."""
+    from . import waiting
     from .commands import Failed
+    from .commands.waits import tell
 
+    waiting.tell_with(tell)  # a person reads this: a long wait is said (waiting.py)
     try:
         result: int = args.func(args)
         return result

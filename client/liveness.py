@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from . import deadlines, errors, paths, processes, protocol, trust
+from . import advice, deadlines, errors, paths, processes, protocol, trust
 from .channel import MAX_RESPONSE_BYTES
 from .fdpass import close_fds, recv_frame, send_frame
-from .platform import harden_socket, lock_holder_pid, peer_credentials
+from .platform import harden_socket, lock_holder_pid
+from .waiting import waiting
 
 # processes.py reads a Linux process from /proc itself: psutil would be a quarter of
 # `escrowctl status`'s start. psutil's start times are boot time plus clock ticks: the same
@@ -174,39 +175,46 @@ def probe_socket(socket_path: str, timeout: float, list_sessions: bool = False) 
             return SocketProbe(ERROR, error=f"connect: {exc.strerror or exc}")
         probe = SocketProbe(ACCEPTED_NO_ANSWER)
         try:
-            trust.check_peer(sock, socket_path)  # a listener that cannot be told is refused
+            # A listener that cannot be told is refused.
+            probe.peer_pid = trust.check_peer(sock, socket_path)
         except errors.Forbidden as exc:
             return SocketProbe(UNTRUSTED, error=str(exc))
-        probe.peer_pid = peer_credentials(sock)[0]
-        try:
-            hello = protocol.Hello(version=protocol.VERSION, owner=ADMIN_OWNER,
-                                   client=f"escrowctl status pid={os.getpid()}",
-                                   timeout=timeout)
-            probe.welcome = _call(sock, hello, protocol.Welcome, deadline)
-            probe.status = _call(sock, protocol.Status(), protocol.HolderStatus, deadline)
-        except TimeoutError:
-            return probe  # accepted, and no answer within the timeout
-        except (EOFError, ConnectionError) as exc:
-            probe.answer = CLOSED
-            probe.error = "the holder closed the connection" + (
-                f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else "")
-            return probe
-        except _ErrorAnswer as exc:
-            probe.answer, probe.error = ERROR_ANSWER, str(exc)
-            return probe
-        except (OSError, protocol.ProtocolError) as exc:
-            probe.answer, probe.error = ERROR, str(exc)
-            return probe
-        probe.answer = ANSWERED
-        if list_sessions:
-            try:
-                probe.sessions = _call(sock, protocol.List(all_owners=True), protocol.Sessions,
-                                       deadline).sessions
-            except (OSError, EOFError, protocol.ProtocolError, _ErrorAnswer):
-                pass  # it answered `status`; only the session list is missing
-        return probe
+        with waiting(socket_path, lambda: probe.peer_pid, deadline - time.monotonic()):
+            return _greet(sock, probe, timeout, deadline, list_sessions)
     finally:
         sock.close()
+
+
+def _greet(sock: socket.socket, probe: SocketProbe, timeout: float, deadline: float,
+           list_sessions: bool) -> SocketProbe:
+    """`probe_socket`'s questions, on the connected and trusted `sock`."""
+    try:
+        hello = protocol.Hello(version=protocol.VERSION, owner=ADMIN_OWNER,
+                               client=f"escrowctl status pid={os.getpid()}",
+                               timeout=timeout)
+        probe.welcome = _call(sock, hello, protocol.Welcome, deadline)
+        probe.status = _call(sock, protocol.Status(), protocol.HolderStatus, deadline)
+    except TimeoutError:
+        return probe  # accepted, and no answer within the timeout
+    except (EOFError, ConnectionError) as exc:
+        probe.answer = CLOSED
+        probe.error = "the holder closed the connection" + (
+            f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else "")
+        return probe
+    except _ErrorAnswer as exc:
+        probe.answer, probe.error = ERROR_ANSWER, str(exc)
+        return probe
+    except (OSError, protocol.ProtocolError) as exc:
+        probe.answer, probe.error = ERROR, str(exc)
+        return probe
+    probe.answer = ANSWERED
+    if list_sessions:
+        try:
+            probe.sessions = _call(sock, protocol.List(all_owners=True), protocol.Sessions,
+                                   deadline).sessions
+        except (OSError, EOFError, protocol.ProtocolError, _ErrorAnswer):
+            pass  # it answered `status`; only the session list is missing
+    return probe
 
 
 class _ErrorAnswer(Exception):
@@ -307,10 +315,12 @@ def holder_verdict(socket_path: str, timeout: float = STATUS_TIMEOUT,
     """
     try:
         trust.check_socket_dir(socket_path)
-    except errors.HolderUnavailable as exc:
+    except errors.HolderUnavailable:
         # No directory: no lock file, no socket, nothing. Nothing else is looked at (a
         # directory made there meanwhile would be someone else's to fill).
-        return Verdict("not_running", socket_path, reason=f"{exc}: nothing exists there",
+        return Verdict("not_running", socket_path,
+                       reason=f"the directory of {socket_path} does not exist: nothing "
+                       "exists there",
                        evidence={"trust": None, "timeout": timeout})
     except errors.EscrowError as exc:
         # Another user's directory: its files and its listener prove nothing about our
@@ -416,7 +426,7 @@ def _why_indeterminate(before: LockState, after: LockState, probe: SocketProbe,
         return (f"nobody holds the lock and the socket does not answer, but the pidfile "
                 f"names pid {record.pid}, which is alive and started when it recorded")
     if socket_file == "other":
-        return f"{socket_path} exists and is not a socket"
+        return advice.not_a_socket(socket_path) or f"{socket_path} exists and is not a socket"
     if probe.answer in _NOT_SERVING:
         return "holder files appeared or vanished while status looked"
     detail = f": {probe.error}" if probe.error else ""

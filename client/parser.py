@@ -34,6 +34,8 @@ VERBS: tuple[tuple[str, str, str], ...] = (
     ("run", "run", "run a command in a new escrowed session, attached to this terminal"),
     ("install-service", "install_service",
      "write the systemd units or the LaunchAgent for this escrowd"),
+    ("uninstall-service", "uninstall_service",
+     "disable and remove the service files install-service wrote"),
     ("demo", "demo", "watch a shell survive its app's restart"),
     ("completion", "completion", "print a completion script for bash, zsh or fish"),
 )

@@ -27,9 +27,11 @@ SHARED_TMP = "/tmp"
 def default_socket_path() -> str:
     """`$ESCROW_SOCKET`, else `$XDG_RUNTIME_DIR/escrowd/escrowd.sock`, else
     `/tmp/escrowd-<uid>/escrowd.sock`."""
-    explicit = os.environ.get(SOCKET_ENV)
-    if explicit:
-        return explicit
+    return os.environ.get(SOCKET_ENV) or standard_socket_path()
+
+
+def standard_socket_path() -> str:
+    """The default without `$ESCROW_SOCKET`: the path to suggest when that one is unusable."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "escrowd", "escrowd.sock")

@@ -25,11 +25,12 @@ from escrow_client import cli
 from escrow_client.parser import build_parser
 
 VERBS = ("status", "stop", "upgrade", "list", "release", "kill", "attach", "run",
-         "install_service", "demo", "completion")
+         "install_service", "uninstall_service", "demo", "completion")
 # Nothing a call of escrowctl needs but the one verb that uses it.
 EVERY_CALL = (
     "trio", "escrowd", "xml", "urllib", "http", "email", "ssl", "subprocess",
-    "escrow_client.service_files", "escrow_client.custody", "escrow_client.reclaim",
+    "escrow_client.service_files", "escrow_client.service_removal", "escrow_client.custody",
+    "escrow_client.reclaim",
     "escrow_client.retrieve", "escrow_client.resolve", "escrow_client.attach",
     "escrow_client.demo", "escrow_client.control", "escrow_client.autostart",
     "escrow_client.journal", "escrow_client.replies", "escrow_client.completion",

@@ -49,6 +49,15 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "pipx ensurepath": ("edits the user's shell profile; the packaging test puts pipx's bin "
                         "directory on PATH itself",
                         "tests/test_packaging.py::test_pipx_install_as_the_readme_says"),
+    'export PATH="$HOME/.local/bin:$PATH"': (
+        "changes the PATH of the shell it is pasted into",
+        "tests/test_readme_install.py::test_the_readme_install_and_removal_work_as_pasted"),
+    "escrowctl uninstall-service": (
+        "removes the user's service files",
+        "tests/test_readme_install.py::test_the_readme_install_and_removal_work_as_pasted"),
+    "pipx uninstall": (
+        "uninstalls from the user's account",
+        "tests/test_readme_install.py::test_the_readme_install_and_removal_work_as_pasted"),
     "escrowctl install-service": (
         "writes the user's service files",
         "tests/test_install_service.py::test_install_service_writes_units_that_systemd_accepts"),

@@ -27,12 +27,15 @@ ADMIN_OWNER = liveness.ADMIN_OWNER
 _NAME_RE = re.compile(protocol.NAME_PATTERN)
 
 
-def client(args: argparse.Namespace, owner: str) -> EscrowClient:
-    """A client of the holder on `--socket`, speaking for `owner`."""
+def client(args: argparse.Namespace, owner: str, autostart: bool = False) -> EscrowClient:
+    """A client of the holder on `--socket`, speaking for `owner`. With `autostart`, a
+    holder is started if none answers, and runs until stopped (no idle exit: a person who
+    ran a session expects the holder there when they come back)."""
     from ..client import EscrowClient
 
     return EscrowClient(owner, socket_path=args.socket, timeout=args.timeout,
-                        client_name=f"escrowctl pid={os.getpid()}")
+                        client_name=f"escrowctl pid={os.getpid()}", autostart=autostart,
+                        autostart_idle_exit=0)
 
 
 def admin(args: argparse.Namespace) -> EscrowClient:

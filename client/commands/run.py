@@ -8,9 +8,11 @@ import argparse
 import os
 import re
 import shlex
+import sys
 import uuid
 
 from .. import attach, takeover
+from ..protocol import HolderStatus
 from . import Failed, describe
 from .arguments import ADMIN_OWNER, add_detach_key, client, name
 from .attach import ended
@@ -42,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         command = [os.environ.get("SHELL") or "/bin/sh"]
     sid = args.id or _run_id(command[0])
     label = args.label if args.label is not None else shlex.join(command)[:256]
+    attach.LocalTerminal()  # no terminal to attach: said before a holder is started for it
+    # A holder is started for the session's start only: one that dies while attached is
+    # not replaced behind the user's back (the attachment says it is gone).
+    _announce(args, client(args, args.owner, autostart=True).status(), sid)
     takeover.catch_stray()
     try:
         ending = attach.run(client(args, args.owner), command, sid, label, args.detach_key,
@@ -49,6 +55,23 @@ def run(args: argparse.Namespace) -> int:
     except attach.CannotRun as exc:
         raise Failed(str(exc), exc.status) from None
     return ended(args, args.owner, sid, ending)
+
+
+def _announce(args: argparse.Namespace, status: HolderStatus, sid: str) -> None:
+    """Say, before attaching, whether this call started the holder, and how to come back."""
+    from ..autostart import started_here
+
+    pid = started_here(status)
+    if pid is not None:
+        print(f"escrowctl: started a holder (pid {pid}) on {status.socket}; it keeps running "
+              "after this session ends; `escrowctl stop` stops it", file=sys.stderr)
+    name = attach.key_name(args.detach_key)
+    key = ("no detach key" if args.detach_key is None
+           else "detach with " + (f"Ctrl-{name[1:]}" if name != "^?" else name))
+    back = shlex.join(["escrowctl", *(["--socket", args.socket] if args.socket else []),
+                       "attach", f"{args.owner}/{sid}"])
+    print(f"escrowctl: session {args.owner}/{sid}; {key}, back with {back}", file=sys.stderr,
+          flush=True)
 
 
 def _run_id(program: str) -> str:

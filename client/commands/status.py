@@ -13,9 +13,10 @@ from typing import Any
 
 import msgspec
 
-from .. import liveness, paths
+from .. import advice, liveness, paths
 from ..liveness import STATUS_TIMEOUT, Verdict, holder_verdict
 from ..protocol import HolderStatus
+from ..serving import serving_holder
 from . import describe
 from .arguments import add_sub_timeout
 from .text import duration, print_json, size
@@ -104,7 +105,10 @@ def _holder_dict(status: HolderStatus) -> dict[str, Any]:
 def _status_text(verdict: Verdict, buffered: int | None) -> str:
     status = verdict.holder
     if status is None:
-        return _no_answer_text(verdict)
+        text = _no_answer_text(verdict)
+        if verdict.state in ("not_running", "dead"):
+            text += f"\n  next      {advice.start_holder(verdict.socket)}"
+        return text
     by_state = ", ".join(f"{n} {state}" for state, n in sorted(status.sessions_by_state.items()))
     lines = [
         f"escrowd: {verdict.state} (pid {status.pid}, version {status.version})",
@@ -135,7 +139,9 @@ def _no_answer_text(verdict: Verdict) -> str:
     if "socket_answer" not in ev:  # refused on trust before anything was looked at
         return f"escrowd: {verdict.state} on {verdict.socket}\n  {verdict.reason}"
     answer = _ANSWER_TEXT.get(ev["socket_answer"], ev["socket_answer"])
-    if ev.get("socket_error"):
+    if ev.get("socket_file") == "other":
+        answer = "not a socket: nothing can listen there"  # what "refused" meant here
+    elif ev.get("socket_error"):
         answer += f": {ev['socket_error']}"
     lock = {"held": f"held by {_pid_text(ev['lock_holder_pid'])}", "free": "free",
             "missing": "no lock file (free)"}.get(ev["lock"], ev["lock"])
@@ -149,6 +155,7 @@ def _no_answer_text(verdict: Verdict) -> str:
         pidfile = "unreadable (empty or half-written)" if record["exists"] else "none"
     lines = [
         f"escrowd: {verdict.state.replace('_', ' ')} on {verdict.socket}{pid}",
+        *_stuck(verdict),
         f"  {verdict.reason}",
         f"  socket    {answer}",
         f"  lock      {lock}",
@@ -157,6 +164,19 @@ def _no_answer_text(verdict: Verdict) -> str:
     if ev["leftovers"]:
         lines.append(f"  leftover  {', '.join(ev['leftovers'])}")
     return "\n".join(lines)
+
+
+def _stuck(verdict: Verdict) -> list[str]:
+    """The holder that does not answer, named when its listener is its keeper: the
+    keeper's pid (the lock's, the peer's) alone would point at a process that is fine."""
+    keeper = verdict.evidence.get("socket_peer_pid")
+    if verdict.state != "unresponsive" or keeper is None:
+        return []
+    holder = serving_holder(verdict.socket, keeper)
+    if holder is None or holder == keeper:
+        return []
+    return [f"  holder pid {holder} is not answering (its keeper pid {keeper} is alive and "
+            "holds the socket)"]
 
 
 def _pid_text(pid: int | None) -> str:
