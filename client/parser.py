@@ -31,6 +31,7 @@ VERBS: tuple[tuple[str, str, str], ...] = (
     ("release", "release", "make the holder drop its copy of a session"),
     ("attach", "attach", "attach this terminal to an escrowed session"),
     ("run", "run", "run a command in a new escrowed session, attached to this terminal"),
+    ("wait", "wait", "wait for the program of a session `run` started to end"),
     ("install-service", "install_service",
      "write the systemd units or the LaunchAgent for this escrowd"),
     ("demo", "demo", "watch a shell survive its app's restart"),

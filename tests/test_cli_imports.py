@@ -25,14 +25,15 @@ from escrow_client import cli
 from escrow_client.parser import build_parser
 
 VERBS = ("status", "stop", "upgrade", "list", "release", "attach", "run", "install_service",
-         "demo")
+         "demo", "wait")
 # Nothing a call of escrowctl needs but the one verb that uses it.
 EVERY_CALL = (
     "trio", "escrowd", "xml", "urllib", "http", "email", "ssl", "subprocess",
     "escrow_client.service_files", "escrow_client.custody", "escrow_client.reclaim",
     "escrow_client.retrieve", "escrow_client.resolve", "escrow_client.attach",
     "escrow_client.demo", "escrow_client.control", "escrow_client.autostart",
-    "escrow_client.journal", "escrow_client.replies",
+    "escrow_client.journal", "escrow_client.replies", "escrow_client.program_wait",
+    "escrow_client.run_start",
 )
 # What only a call to the holder needs.
 CALLS = ("socket", "msgspec", "escrow_client.protocol", "escrow_client.channel",

@@ -650,6 +650,8 @@ MESSAGES: dict[str, type[msgspec.Struct]] = {
     "SessionInfo": protocol.SessionInfo,
     "Journal": protocol.Journal,
     "ReplayFile": protocol.ReplayFile,
+    "ExitStatus": protocol.ExitStatus,
+    "Modes": protocol.Modes,
 }
 
 
@@ -657,9 +659,10 @@ def describe(t: msgspec.inspect.Type) -> tuple[str, str]:
     """(type, limit) of a field, written as section 7 writes them."""
     mi = msgspec.inspect
     if isinstance(t, mi.UnionType):
-        (inner,) = [x for x in t.types if not isinstance(x, mi.NoneType)]
-        kind, limit = describe(inner)
-        return f"{kind} | nil", limit
+        inner = [describe(x) for x in t.types if not isinstance(x, mi.NoneType)]
+        nil = " | nil" if any(isinstance(x, mi.NoneType) for x in t.types) else ""
+        limits = [limit for _, limit in inner if limit != "—"]
+        return " | ".join(kind for kind, _ in inner) + nil, "; ".join(limits) or "—"
     if isinstance(t, mi.IntType):
         return "int", "—" if t.ge is None and t.le is None else f"{t.ge} .. {t.le}"
     if isinstance(t, mi.StrType):
@@ -679,12 +682,15 @@ def describe(t: msgspec.inspect.Type) -> tuple[str, str]:
         kind, item_limit = describe(t.item_type)
         if t.min_length is None and t.max_length is None:
             return f"list[{kind}]", "—"
-        assert item_limit == "name", "only a list of names has limits"
-        return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} names"
+        if item_limit == "name":
+            return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} names"
+        return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} items, each {item_limit}"
     if isinstance(t, mi.StructType):
         return t.cls.__name__, "—"
     if isinstance(t, mi.LiteralType):
-        return "str", "a state (section 10.1)"
+        if set(t.values) == set(typing.get_args(protocol.SessionState)):
+            return "str", "a state (section 10.1)"
+        return "str", " or ".join(f'`"{v}"`' for v in t.values)
     simple = {mi.FloatType: "float", mi.BoolType: "bool", mi.BytesType: "bytes"}
     return simple[type(t)], "—"
 
