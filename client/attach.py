@@ -313,8 +313,11 @@ def attach(client: EscrowClient, session_id: str, detach_key: int | None,
     except BaseException:
         custody.close()
         raise
-    return Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
-                      exiting=exiting).run(got.replay)
+    ending = Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
+                        exiting=exiting).run(got.replay)
+    if ending.detached or not got.session.started:
+        return ending
+    return Ending(False, f"{ending.why}; {_how_it_ended(client, session_id)}")
 
 
 def _held_by_whom(client: EscrowClient, session_id: str,
@@ -382,6 +385,21 @@ def _shell_status(client: EscrowClient, session_id: str) -> int | None:
     except errors.EscrowError:
         return None
     return ending.shell_status() if isinstance(ending, protocol.ExitStatus) else None
+
+
+def _how_it_ended(client: EscrowClient, session_id: str) -> str:
+    """How the program of a session the holder started ended, in words, for `attach`."""
+    from .program_wait import wait
+
+    try:
+        ending = wait(client, session_id, 2.0)
+    except errors.EscrowError:
+        return "how its program ended cannot be told now (escrowctl wait tells, later)"
+    if not isinstance(ending, protocol.ExitStatus):
+        return "how its program ended is unknown"
+    if ending.code is not None:
+        return f"its program exited with status {ending.code}"
+    return f"its program was killed by signal {ending.signal}"
 
 
 def _run_here(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,

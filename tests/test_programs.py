@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from rawclient import RawClient
-from test_attach import RUN_OWNER, Screens, detach
+from test_attach import RUN_OWNER, Screens, detach, escrowctl_in_a_pty
 from test_attach import screens as screens  # (the fixture)
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
@@ -113,6 +113,19 @@ def test_wait_says_why_there_is_no_status(holder: HolderProcess,
     assert escrowctl(holder, "wait", f"{OWNER}/runs").returncode == 128 + 15
 
 
+def test_attach_of_an_ended_program_says_how_it_ended(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild], tmp_path: Path
+) -> None:
+    started(holder, "gone", until_file(tmp_path / "go", "echo last words; exit 7"))
+    (tmp_path / "go").touch()  # (its words come once the holder drains it)
+    wait_for(lambda: info(holder, "gone").state == "exited", 10, "the session to exit")
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", f"{OWNER}/gone")
+    assert rc == 0, out
+    assert "last words" in out
+    assert "its program exited with status 7" in out, out
+    assert escrowctl(holder, "wait", f"{OWNER}/gone").returncode == 7  # its tombstone's
+
+
 def test_start_refusals_leave_nothing_behind(holder: HolderProcess, tmp_path: Path) -> None:
     go = tmp_path / "go"
     started(holder, "other", until_file(go, "exit 5"))
@@ -164,6 +177,8 @@ def test_a_status_outlives_a_holder_sigkilled_under_the_keeper(
 ) -> None:
     keeper = make_holder(keeper=True)
     before, after = tmp_path / "before", tmp_path / "after"
+    started(keeper, "done", ["sh", "-c", "exit 8"])  # reaped by the first holder: recorded
+    assert wait(keeper.client(), "done", 10) == protocol.ExitStatus(code=8)
     early = started(keeper, "early", until_file(before, "exit 6"))  # ends with no holder
     late = started(keeper, "late", until_file(after, "exit 3"))  # ends under the next one
     first = keeper.serving_pid()
@@ -178,6 +193,7 @@ def test_a_status_outlives_a_holder_sigkilled_under_the_keeper(
     assert escrowctl(keeper, "wait", f"{OWNER}/late").returncode == 3
     assert escrowctl(keeper, "wait", f"{OWNER}/early").returncode == 6
     assert info(keeper, "late").exit_status == protocol.ExitStatus(code=3)
+    assert escrowctl(keeper, "wait", f"{OWNER}/done").returncode == 8  # from its state file
 
 
 def _serving_other_than(holder: HolderProcess, pid: int) -> bool:
