@@ -34,6 +34,7 @@ from escrow_client.run_start import start
 from escrowd import orphans
 from escrowd.programs import Programs
 from escrowd.registry import Registry
+from escrowd.statefile import Record, StateFile
 
 ESCROWCTL = [sys.executable, "-m", "escrow_client.cli"]
 
@@ -286,3 +287,23 @@ def test_a_kept_status_is_believed_only_when_it_is_the_programs(tmp_path: Path) 
 def test_the_kept_status_parser_takes_anything(data: bytes) -> None:
     kept = orphans.parse(data)
     assert kept is None or (kept.status.code is None) != (kept.status.signal is None)
+
+
+@pytest.mark.parametrize("forged", [{"code": 1, "signal": 9}, {"code": 300}, "dead"])
+def test_a_stored_exit_status_that_is_no_status_is_not_believed(forged: object) -> None:
+    """The holder's state file keeps a session's exit status across a restart; a record whose
+    status breaks its type (both a code and a signal, a code past 255, a word that is no
+    status) does not decode, and the record before it stands for the next holder."""
+    state = StateFile.create(Record, 4096, "escrowd:session:test")
+    try:
+        good = Record(token="t", owner=OWNER, id="s", started=True,
+                      exit_status=protocol.ExitStatus(code=3))
+        state.write(good)
+        state.write(msgspec.structs.replace(good, exit_status=forged, label="forged"))
+        again = StateFile(os.dup(state.fd), Record)  # as the next holder maps it
+        try:
+            assert again.record() == good
+        finally:
+            again.close()
+    finally:
+        state.close()
