@@ -40,6 +40,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import shutil
 import signal
 import subprocess
 import termios
@@ -362,7 +363,9 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
                               journal=True, modes_of=terminal.in_fd)
     except (errors.ExecFailed, errors.CwdGone) as exc:
         custody.close()
-        raise CannotRun(str(exc), 127 if "No such file" in str(exc) else 126) from None
+        # (As a shell says it: 127 for a program not found on the PATH it was given.)
+        status = 126 if isinstance(exc, errors.ExecFailed) and shutil.which(argv[0]) else 127
+        raise CannotRun(str(exc), status) from None
     except BaseException:
         custody.close()
         raise

@@ -26,6 +26,11 @@ is ready, the keeper keeps the next one loaded and waiting (escrowd.standby), wh
 over the moment the serving holder is reaped; whatever goes wrong with it, a holder is
 exec'd instead, as before.
 
+Orphans: on Linux the keeper is the child subreaper, so a program its holder started and
+left behind by dying becomes the keeper's child; it keeps the orphan's exit status for the
+next holder, then reaps it (escrowd.orphans). It never reaps its own holders, standbys or
+trial runs there.
+
 Signals: SIGTERM stops the holder, then the keeper, and closes every stored fd (the
 terminals no app holds hang up: this is `escrowctl stop --force`). SIGINT (Ctrl-C in the
 terminal a foreground escrowd runs in) does the same only while no session is stored:

@@ -170,8 +170,12 @@ async def start(holder: Answerer, conn: Connection, request: protocol.Start) -> 
         return True
     deposit = protocol.Deposit(id=request.id, label=request.label, child_pid=child.pid,
                                cols=request.cols, rows=request.rows, meta=request.meta)
-    session = Session(conn.owner, deposit, master, ring, None, None, None,
-                      _terminal(master), conn.client, holder.instance, None, holder.store,
+    try:
+        terminal = terminal_identity(master)
+    except OSError:  # out of fds, say: it cannot be told apart now (never a crash)
+        terminal = None
+    session = Session(conn.owner, deposit, master, ring, None, None, None, terminal,
+                      conn.client, holder.instance, None, holder.store,
                       holder.registry.private_dir)
     holder.programs.track(session, child)  # from here on, its ending is recorded
     holder.registry.add(session)

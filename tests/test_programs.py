@@ -114,6 +114,17 @@ def test_wait_says_why_there_is_no_status(holder: HolderProcess,
     assert escrowctl(holder, "wait", f"{OWNER}/runs").returncode == 128 + 15
 
 
+def test_a_program_that_ends_after_its_session_was_released_has_its_status_kept(
+    holder: HolderProcess,
+) -> None:
+    """Released, its terminal closed: the program's SIGHUP is kept in the tombstone."""
+    started(holder, "let-go", ["sh", "-c", "while :; do sleep 0.05; done"])
+    holder.client().release("let-go")
+    assert wait(holder.client(), "let-go", 10) == protocol.ExitStatus(signal=signal.SIGHUP)
+    tomb = next(s for s in holder.client().list() if s.id == "let-go")
+    assert (tomb.state, tomb.exit_status) == ("released", protocol.ExitStatus(signal=1))
+
+
 def test_attach_of_an_ended_program_says_how_it_ended(
     holder: HolderProcess, pty_children: Callable[..., PtyChild], tmp_path: Path
 ) -> None:
