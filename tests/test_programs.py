@@ -208,6 +208,33 @@ def test_a_status_outlives_a_holder_sigkilled_under_the_keeper(
     assert escrowctl(keeper, "wait", f"{OWNER}/done").returncode == 8  # from its state file
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="macOS has no subreaper: `unknown` there")
+def test_a_status_nobody_could_keep_is_unknown(
+    make_holder: Callable[..., HolderProcess], tmp_path: Path
+) -> None:
+    """The holder dies with its program's status unreaped, and the keeper cannot keep it
+    (something not a private directory is where it keeps them): the next holder says
+    `unknown`, never a code."""
+    keeper = make_holder(keeper=True)
+    Path(orphans.exits_dir(keeper.socket)).write_text("not a directory\n")
+    go = tmp_path / "go"
+    lost = started(keeper, "lost", until_file(go, "exit 4"))
+    first = keeper.serving_pid()
+    os.kill(first, signal.SIGSTOP)
+    go.touch()
+    wait_for(lambda: psutil.Process(lost.child_pid or 0).status() == psutil.STATUS_ZOMBIE,
+             10, "the program to end while its holder cannot reap it")
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: _serving_other_than(keeper, first), 20, "the keeper's next holder")
+    result = escrowctl(keeper, "wait", f"{OWNER}/lost")
+    assert result.returncode == 125, result.stderr
+    assert info(keeper, "lost").exit_status == "unknown"
+    listed = escrowctl(keeper, "list", "--all").stdout.splitlines()
+    row = next(line for line in listed if f"{OWNER}/lost " in line)
+    assert row[listed[0].index("EXIT"):].split()[0] == "?"
+    assert keeper.log_lines("keeper_orphan_reaped"), "the keeper reaped it all the same"
+
+
 def _serving_other_than(holder: HolderProcess, pid: int) -> bool:
     record = paths.read_pidfile(holder.socket)
     if record is None or record.pid == pid:
