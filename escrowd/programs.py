@@ -24,6 +24,7 @@ none, nobody can know, and the status is "unknown", never a guess.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import stat
@@ -115,8 +116,6 @@ def _set_modes(fd: int, modes: protocol.Modes) -> None:
 def _in_child() -> None:
     """Between fork and exec: the PTY (stdin) becomes the controlling terminal, and the
     holder's signal dispositions and mask are not passed on."""
-    import fcntl
-
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     for signum in _DEFAULTS:
         signal.signal(signum, signal.SIG_DFL)
