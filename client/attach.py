@@ -40,6 +40,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import shutil
 import signal
 import subprocess
 import termios
@@ -49,7 +50,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from . import errors, takeover, waiting
+from . import errors, protocol, takeover, waiting
 from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
@@ -114,7 +115,8 @@ class Attachment:
         self._size = (0, 0)  # the session's, as last set
         self._replies = Replies(None)  # what the local terminal answers, kept from the program
 
-    def run(self, replay: bytes | memoryview | None = None) -> Ending:
+    def run(self, replay: bytes | memoryview | None = None,
+            first: bytes | memoryview = b"") -> Ending:
         """Attach until one of the endings, and see to the session as it says (custody
         ended, or the session released). With `replay` (a retrieved session), the local
         terminal is reset, the replay written and the program made to redraw first.
@@ -134,6 +136,9 @@ class Attachment:
                         # terminal answered meanwhile is read, and told from keys, after it.
                         self._replies = Replies(time.monotonic())
                     else:
+                        # What a program the holder started printed before it came here,
+                        # as if read now.
+                        self._write_local(bytes(first))
                         self._resize()  # the terminal may have changed size while we started
                     ending = self._copy()
                     self._last_answer()
@@ -321,22 +326,86 @@ def attach(client: EscrowClient, session_id: str, detach_key: int | None,
         custody.close()
         raise
     consent = takeover.Consent(custody, client, session_id, got.session.meta)
-    return Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
-                      exiting=exiting, consent=consent).run(got.replay)
+    ending = Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
+                        exiting=exiting, consent=consent).run(got.replay)
+    if ending.detached or not got.session.started:
+        return ending
+    return Ending(False, f"{ending.why}; {_how_it_ended(client, session_id)}")
 
 
 def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         detach_key: int | None, exiting: bool = False) -> Ending:
     """`escrowctl run`: start `argv` in a new PTY the size of this process's terminal,
-    deposit it in custody (with a journal) as `session_id`, and attach it.
+    escrowed in custody (with a journal) as `session_id`, and attach it.
 
-    The program is started before custody exists, with every fd but its terminal closed:
-    it never holds the custody socket. If the deposit fails (the id exists, say), the
-    program's terminal is closed and the program ended before the error is raised."""
+    The holder starts the program (escrow_client.run_start), so that its exit status is
+    known whenever it ends, attached or not; a holder too old for that gets today's way:
+    the program is started here before custody exists, with every fd but its terminal
+    closed (it never holds the custody socket), and deposited. If that deposit fails (the
+    id exists, say), its terminal is closed and the program ended before the error is
+    raised."""
+    from . import run_start
+
     terminal = LocalTerminal()
     if any(s.id == session_id and s.state in LIVE_STATES for s in client.list()):
         raise errors.SessionExists(f"session {client.owner}/{session_id} exists; attach it "
                                    "with escrowctl attach, or choose another id", session_id)
+    rows, cols = terminal.size()
+    custody = client.custody()
+    try:
+        if not run_start.can_start(custody):
+            custody.close()
+            return _run_here(client, argv, session_id, label, detach_key, exiting, terminal)
+        got = run_start.start(custody, session_id, argv, label=label, cols=cols, rows=rows,
+                              journal=True, modes_of=terminal.in_fd)
+    except (errors.ExecFailed, errors.CwdGone) as exc:
+        custody.close()
+        # (As a shell says it: 127 for a program not found on the PATH it was given.)
+        status = 126 if isinstance(exc, errors.ExecFailed) and shutil.which(argv[0]) else 127
+        raise CannotRun(str(exc), status) from None
+    except BaseException:
+        custody.close()
+        raise
+    attachment = Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
+                            exiting=exiting,
+                            consent=takeover.Consent(custody, client, session_id, got.session.meta))
+    ending = attachment.run(first=got.replay)
+    if ending.detached:
+        return ending
+    attachment._signals.keyboard_back()  # its end may take long: Ctrl-C ends the wait
+    return Ending(False, ending.why, _shell_status(client, session_id))
+
+
+def _shell_status(client: EscrowClient, session_id: str) -> int | None:
+    """The exit status of a program the holder started, once it has ended, as a shell says
+    it; None if it cannot be known."""
+    from .program_wait import wait
+
+    try:
+        ending = wait(client, session_id)
+    except errors.EscrowError:
+        return None
+    return ending.shell_status() if isinstance(ending, protocol.ExitStatus) else None
+
+
+def _how_it_ended(client: EscrowClient, session_id: str) -> str:
+    """How the program of a session the holder started ended, in words, for `attach`."""
+    from .program_wait import wait
+
+    try:
+        ending = wait(client, session_id, 2.0)
+    except errors.EscrowError:
+        return "how its program ended cannot be told now (escrowctl wait tells, later)"
+    if not isinstance(ending, protocol.ExitStatus):
+        return "how its program ended is unknown"
+    if ending.code is not None:
+        return f"its program exited with status {ending.code}"
+    return f"its program was killed by signal {ending.signal}"
+
+
+def _run_here(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
+              detach_key: int | None, exiting: bool, terminal: LocalTerminal) -> Ending:
+    """`run` for a holder that does not start programs: this process starts it."""
     rows, cols = terminal.size()
     master, child = spawn(argv, rows, cols, terminal.in_fd)
     try:

@@ -4,7 +4,7 @@ answered one, or a client-side code (`unavailable`, `unresponsive`, `config`, `p
 Causes of `EscrowError`, by class:
 - answered by the holder: BadRequest, UnsupportedVersion, Forbidden, SessionUnknown,
   SessionExists, NotATerminal, CustodyHeld, Busy, DrainStopTimeout, LimitReached, HandedOff,
-  Released, Expired, AckLate;
+  Released, Expired, AckLate, CwdGone, ExecFailed, NotAProgram;
 - found by the client: HolderUnavailable (nothing is listening), HolderUnresponsive (a call
   timed out, or the circuit breaker is open), EscrowConfigError (the timeout invariant, or a
   bad argument), ProtocolViolation (the holder sent something that is not the protocol).
@@ -81,6 +81,18 @@ class AckLate(EscrowError):
     code = "ack_late"
 
 
+class CwdGone(EscrowError):
+    code = "cwd_gone"
+
+
+class ExecFailed(EscrowError):
+    code = "exec_failed"
+
+
+class NotAProgram(EscrowError):
+    code = "not_a_program"
+
+
 class HolderUnavailable(EscrowError):
     """`dropped` is True when a connection was made and then ended under the call (the
     holder stopped or restarted meanwhile), False when nothing was listening at all."""
@@ -135,6 +147,7 @@ _BY_CODE: dict[str, type[EscrowError]] = {
     for cls in (
         BadRequest, UnsupportedVersion, Forbidden, SessionUnknown, SessionExists, NotATerminal,
         CustodyHeld, Busy, DrainStopTimeout, LimitReached, HandedOff, Released, Expired, AckLate,
+        CwdGone, ExecFailed, NotAProgram,
     )
 }
 

@@ -32,6 +32,7 @@ VERBS: tuple[tuple[str, str, str], ...] = (
     ("kill", "kill", "end a session's program (SIGHUP, then SIGKILL) and release it"),
     ("attach", "attach", "attach this terminal to an escrowed session"),
     ("run", "run", "run a command in a new escrowed session, attached to this terminal"),
+    ("wait", "wait", "wait for the program of a session `run` started to end"),
     ("install-service", "install_service",
      "write the systemd units or the LaunchAgent for this escrowd"),
     ("uninstall-service", "uninstall_service",

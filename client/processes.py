@@ -124,6 +124,40 @@ def process_name(pid: int) -> str:
     return name
 
 
+def become_subreaper() -> bool:
+    """Make this process the reaper of its descendants' orphans (Linux's
+    PR_SET_CHILD_SUBREAPER); False where there is no such thing (macOS) or it failed."""
+    if not IS_LINUX:
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(36, 1, 0, 0, 0) == 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def children() -> list[int]:
+    """The pids of this (single-threaded) process's children, on Linux; [] elsewhere."""
+    if not IS_LINUX:
+        return []
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children", "rb") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: every process, asked
+        found = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if int(_proc_stat(int(name))[1][1]) == me:
+                        found.append(int(name))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return found
+
+
 def _proc_stat(pid: int) -> tuple[bytes, list[bytes]]:
     """The name in /proc/<pid>/stat, and the fields after it (the state first)."""
     if not 0 < pid < _PID_LIMIT:

@@ -20,6 +20,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .protocol_programs import MAX_ARGS as MAX_ARGS
+from .protocol_programs import MAX_ENV as MAX_ENV
+from .protocol_programs import Arg as Arg
+from .protocol_programs import EnvName as EnvName
+from .protocol_programs import ExitStatus as ExitStatus
+from .protocol_programs import Modes as Modes
+from .protocol_programs import ProgramEnd as ProgramEnd
+
 VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
@@ -64,6 +72,9 @@ ErrorCode = Literal[
     "released",
     "expired",
     "ack_late",
+    "cwd_gone",
+    "exec_failed",
+    "not_a_program",
 ]
 
 
@@ -156,6 +167,33 @@ class AckMany(Message, tag="ack_many"):
     keep: bool = False
 
 
+class Start(Message, tag="start"):
+    """The holder starts `argv` on a new PTY of its own (it is the program's parent, and so
+    knows its exit status), registers it as session `id`, and hands the master to this
+    connection as a retrieve into custody does: answered `handoff`, then `ack{keep}` and
+    `done` (PROTOCOL.md section 12.9). `cwd` must be absolute; `env` is the program's whole
+    environment. Asked only of a holder whose `features` has "start"."""
+
+    id: Name
+    argv: Annotated[list[Arg], msgspec.Meta(min_length=1, max_length=MAX_ARGS)]
+    cwd: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "/"
+    env: Annotated[dict[EnvName, Arg], msgspec.Meta(max_length=MAX_ENV)] = {}
+    label: Label = ""
+    cols: Dim = 0
+    rows: Dim = 0
+    meta: Meta = {}
+    journal: bool = False
+    # The PTY's modes (the asking terminal's); None: the PTY's own defaults.
+    modes: Modes | None = None
+
+
+class Wait(Message, tag="wait"):
+    """Answered `waited` once the program of session `id`, one the holder started, has
+    ended (at once if it has): the only request a holder may leave unanswered for long."""
+
+    id: Name
+
+
 class List(Message, tag="list"):
     all_owners: bool = False
 
@@ -165,7 +203,7 @@ class Status(Message, tag="status"):
 
 
 Request = (Hello | Deposit | Release | Retrieve | RetrieveMany | Update | Ack | AckMany | List
-           | Status)
+           | Status | Start | Wait)
 
 
 # --- holder to client -------------------------------------------------------------------
@@ -195,12 +233,15 @@ class SessionInfo(msgspec.Struct, kw_only=True):
     replay_gap_at: int | None = None
     # Every such spot still in the replay, oldest first (one per unclean stop).
     replay_gaps: list[int] = []
+    # The holder started its program (`start`): `exit_status` tells how it ended.
+    started: bool = False
+    exit_status: ProgramEnd = None
 
 
 # What this holder does beyond the first version-1 holders: a client checks before it
 # relies on one (an older holder ignores `keep`, and would hand the session off for good).
 FEATURES = ("keep", "retrieve_many", "journal", "update", "journal_reading", "modes",
-            "replay_file")
+            "replay_file", "start")
 
 
 class Welcome(Message, tag="welcome"):
@@ -281,6 +322,13 @@ class DoneMany(Message, tag="done_many"):
     ids: list[str]
 
 
+class Waited(Message, tag="waited"):
+    """The program of session `id` has ended, so: an ExitStatus or "unknown"."""
+
+    id: str
+    exit_status: ExitStatus | Literal["unknown"]
+
+
 class Sessions(Message, tag="sessions"):
     sessions: list[SessionInfo]
 
@@ -322,7 +370,7 @@ class Error(Message, tag="error"):
 
 
 Response = (Welcome | Deposited | Released | Handoff | Done | DoneMany | Sessions
-            | HolderStatus | Updated | Error)
+            | HolderStatus | Updated | Waited | Error)
 
 # Which messages carry a PTY master; every other message carries none, except a
 # `deposited` with a journal (the state file).

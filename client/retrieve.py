@@ -59,6 +59,7 @@ def check_invariant(
 def retrieve_many_on(
     channel: Channel, ids: list[str], deadline: Deadline, keep: bool = False,
     journal: bool = False, replay_file: bool = False, *, timeout: float, connect: Connect,
+    start: protocol.Start | None = None,
 ) -> tuple[dict[str, Retrieved], dict[str, errors.EscrowError]]:
     """Retrieve `ids` over `channel` in one request (docs/design.md §4, §12): every handoff
     comes first, then every ack goes out, then every `done` comes back. Returns what
@@ -70,11 +71,13 @@ def retrieve_many_on(
     custody that reconnects resumes it), else our copy is closed and it stays escrowed.
     With `replay_file`, where this platform and the holder can, each replay is read in
     place from the sealed file the holder sends (escrow_client.replay_map): a read-only
-    memoryview instead of bytes.
+    memoryview instead of bytes. With `start` (and `keep`), that is the request instead:
+    the holder starts the program and hands its new session off the same way.
     Raises (after closing every fd it received) only for what spoils the whole call."""
-    check_invariant(channel.welcome, timeout)
     w = channel.welcome
-    if deadline.remaining() <= w.drain_stop_budget + w.send_deadline:
+    if start is None:  # (a session the holder starts has no drain to stop yet)
+        check_invariant(w, timeout)
+    if start is None and deadline.remaining() <= w.drain_stop_budget + w.send_deadline:
         raise errors.HolderUnresponsive(
             f"not enough time left to retrieve {', '.join(ids[:3])} (the holder may need "
             f"{w.drain_stop_budget + w.send_deadline:.3g}s)", ids[0],
@@ -85,6 +88,8 @@ def retrieve_many_on(
         protocol.Retrieve(id=ids[0], keep=keep, journal=journal, replay_file=by_file)
         if len(ids) == 1 else
         protocol.RetrieveMany(ids=ids, keep=keep, journal=journal, replay_file=by_file))
+    if start is not None:
+        request = start
     maps = ReplayMaps()
     got: dict[str, Retrieved] = {}
     failed: dict[str, errors.EscrowError] = {}

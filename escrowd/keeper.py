@@ -26,6 +26,11 @@ is ready, the keeper keeps the next one loaded and waiting (escrowd.standby), wh
 over the moment the serving holder is reaped; whatever goes wrong with it, a holder is
 exec'd instead, as before.
 
+Orphans: on Linux the keeper is the child subreaper, so a program its holder started and
+left behind by dying becomes the keeper's child; it keeps the orphan's exit status for the
+next holder, then reaps it (escrowd.orphans). It never reaps its own holders, standbys or
+trial runs there.
+
 Signals: SIGTERM stops the holder, then the keeper, and closes every stored fd (the
 terminals no app holds hang up: this is `escrowctl stop --force`). SIGINT (Ctrl-C in the
 terminal a foreground escrowd runs in) does the same only while no session is stored:
@@ -54,7 +59,9 @@ import time
 from escrow_client import paths
 from escrow_client.fdpass import close_fds
 from escrow_client.interpreter import python_command
+from escrow_client.processes import become_subreaper
 
+from . import orphans
 from .config import Config
 from .lifecycle import StartupError, bind_socket, remove_leftover_socket, take_lock
 from .log import log
@@ -78,6 +85,8 @@ READY_DEADLINE = 30.0
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
 _RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
 _OWN_FDS = 64  # what the keeper needs for itself, beyond the fds it stores
+# Where orphans' statuses are kept, once `main` made the keeper their subreaper (Linux).
+_orphans_dir: str | None = None
 
 
 def main(config: Config, argv: list[str]) -> int:
@@ -99,6 +108,8 @@ def main(config: Config, argv: list[str]) -> int:
         listener = bind_socket(socket_path)
         log("keeper", pid=os.getpid(), socket=socket_path)
         # The holder is told the socket's absolute path: it starts in `/`, not here.
+        global _orphans_dir
+        _orphans_dir = orphans.exits_dir(socket_path) if become_subreaper() else None
         return Keeper(listener, [*argv, "--socket", socket_path]).run()
     except StartupError as exc:
         print(f"escrowd: {exc}", file=sys.stderr)
@@ -189,7 +200,7 @@ class Keeper:
             else:
                 self._messages()
         self._upgrade_tried()
-        self._reap()
+        _reap(self)
         self._check_deadlines()
         self._keep_standby()
 
@@ -380,6 +391,20 @@ class Keeper:
         self.last_ping, self.ready_by = time.monotonic(), None
         if not self.from_standby:
             self.standbys.exec_next = False
+
+
+def _reap(keeper: Keeper) -> None:
+    """Reap the keeper's own children that ended (Keeper._reap), then, once `main` made it
+    their subreaper, the ended orphans, their statuses kept first (escrowd.orphans)."""
+    keeper._reap()
+    if _orphans_dir is None:
+        return
+    own = {keeper.holder, *keeper.standbys.dying}
+    if keeper.standbys.current is not None:
+        own.add(keeper.standbys.current.pid)
+    if keeper.trial.proc is not None:
+        own.add(keeper.trial.proc.pid)
+    orphans.reap({pid for pid in own if pid is not None}, _orphans_dir)
 
 
 def _kill(holder: int, reason: str) -> None:

@@ -15,6 +15,9 @@ them and dispatches them; a retrieve is escrowd.handoff's).
   stopped holder began; one completed already is `done` again; any other is `ack_late`,
   and the holder keeps the session.
 - `list` and `status`: the sessions and tombstones, and how the holder is.
+- `start`: the holder starts a program on a new PTY itself (escrowd.programs) and hands
+  its master to the connection as a retrieve into custody does (escrowd.handoff).
+- `wait`: answered `waited` once such a program has ended.
 
 Out of file descriptors, a request is answered `limit` (escrowd.fdlimit), never by
 dropping the connection, and with it its custody.
@@ -23,6 +26,7 @@ dropping the connection, and with it its custody.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Protocol
 
 import psutil
@@ -32,7 +36,7 @@ from escrow_client import protocol
 from escrow_client.liveness import process_start_time
 from escrow_client.platform import is_pty_master, open_fd_count, terminal_identity
 
-from . import __version__, handoff, journal
+from . import __version__, handoff, journal, programs
 from .adoption import Adoption
 from .config import Config
 from .connection import Connection
@@ -58,6 +62,8 @@ class Answerer(Protocol):
     store_kind: str
     keeper_pid: int | None
     adoption: Adoption | None
+    programs: programs.Programs
+    stopping: bool
 
     @property
     def nursery(self) -> trio.Nursery: ...
@@ -140,6 +146,89 @@ async def _deposited(conn: Connection, session: Session, with_journal: bool) -> 
     layout, journal_fd = granted
     journal.begin(session)
     await conn.send(protocol.Deposited(id=session.id, journal=layout), fd=journal_fd)
+
+
+async def start(holder: Answerer, conn: Connection, request: protocol.Start) -> bool:
+    """Start `request`'s program on a new PTY as session owner/id and hand its master to
+    `conn` into custody, or answer why not. False as `handoff.retrieve` returns it."""
+    ring = None
+    try:
+        holder.registry.check_room((conn.owner, request.id))
+        try:
+            ring = holder.registry.new_ring(conn.owner)
+        except OSError as exc:
+            if exc.errno not in FD_EXHAUSTION:
+                raise
+            raise RegistryError("limit", OUT_OF_FDS) from None
+        master, child = programs.spawn(request)
+    except RegistryError as exc:
+        if ring is not None:
+            ring.release()
+        log("start_refused", session=f"{conn.owner}/{request.id}", code=exc.code,
+            reason=str(exc))
+        await conn.send_error(exc.code, str(exc), request.id)
+        return True
+    deposit = protocol.Deposit(id=request.id, label=request.label, child_pid=child.pid,
+                               cols=request.cols, rows=request.rows, meta=request.meta)
+    try:
+        terminal = terminal_identity(master)
+    except OSError:  # out of fds, say: it cannot be told apart now (never a crash)
+        terminal = None
+    session = Session(conn.owner, deposit, master, ring, None, None, None, terminal,
+                      conn.client, holder.instance, None, holder.store,
+                      holder.registry.private_dir)
+    holder.programs.track(session, child)  # from here on, its ending is recorded
+    holder.registry.add(session)
+    session.storing = True
+    try:
+        await holder.store.store(session.store_name, [master, ring.state.fd])
+        session.storing = False
+    except StoreError as exc:
+        log("start_refused", session=session.name, code="limit", reason=str(exc))
+        holder.registry.discard(session)  # its terminal hangs up: the program ends
+        await conn.send_error("limit", str(exc), request.id)
+        return True
+    session.start_drain(holder.nursery, f"started by the holder, pid {child.pid}")
+    holder.counters["starts"] = holder.counters.get("starts", 0) + 1
+    return await handoff.retrieve(
+        conn, protocol.Retrieve(id=request.id, keep=True, journal=request.journal),
+        holder.registry, holder.config, holder.nursery, lambda: holder.stopping)
+
+
+async def wait(holder: Answerer, conn: Connection, request: protocol.Wait) -> bool:
+    """Answer `waited` once the program of session `request.id` has ended. A peer that
+    hangs up meanwhile ends the wait (False: the connection is done); one that sends
+    anything else is told `busy`, and its request is read next."""
+    result: list[protocol.ExitStatus | str | RegistryError] = []
+    async with trio.open_nursery() as nursery:
+        async def ending() -> None:
+            try:
+                result.append(await holder.programs.ending(conn.owner, request.id))
+            except RegistryError as exc:
+                result.append(exc)
+            nursery.cancel_scope.cancel()
+
+        async def peer() -> None:
+            await trio.lowlevel.wait_readable(conn.sock)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(ending)
+        nursery.start_soon(peer)
+    if not result:
+        try:
+            if not await conn.sock.recv(1, socket.MSG_PEEK):
+                return False
+        except OSError:
+            return False
+        await conn.send_error("busy", "the wait was ended by another request; ask again",
+                              request.id)
+        return True
+    got = result[0]
+    if isinstance(got, RegistryError):
+        await conn.send_error(got.code, str(got), request.id)
+    else:
+        await conn.send(protocol.Waited(id=request.id, exit_status=got))  # type: ignore[arg-type]
+    return True
 
 
 async def update(holder: Answerer, conn: Connection, request: protocol.Update) -> None:

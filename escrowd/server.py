@@ -27,7 +27,7 @@ from escrow_client import protocol
 from escrow_client.fdpass import TruncatedFds
 from escrow_client.platform import REPLAY_FILES
 
-from . import __version__, handoff, housekeeping, requests
+from . import __version__, handoff, housekeeping, orphans, requests
 from .adoption import Adoption, adopt
 from .config import Config
 from .connection import Connection, SendTimeout
@@ -35,6 +35,7 @@ from .drain import DrainLoop
 from .fdlimit import FD_EXHAUSTION, OUT_OF_FDS, open_reserve, out_of_fds
 from .fdstore import FdStore
 from .log import log
+from .programs import Programs
 from .registry import Registry
 
 # accept() errors that mean "out of resources for now": pause and retry rather than die.
@@ -80,6 +81,10 @@ class Holder:
         self.stopping = False  # stopping in order: requests are refused, custody kept
         self.idle_exited = False
         self.adoption: Adoption | None = None
+        # The programs it started (escrowd.programs), and where the keeper keeps the
+        # statuses of those orphaned by a holder that died (escrowd.orphans).
+        self.programs = Programs(self.registry, orphans.exits_dir(config.socket_path)
+                                 if keeper_pid else None)
         # One fd kept in reserve, so that a holder out of fds can still accept a waiting
         # connection long enough to tell it `limit` (instead of leaving it in the listen
         # backlog, where its client times out and takes the holder for wedged).
@@ -104,6 +109,8 @@ class Holder:
             self._nursery = nursery
             nursery.start_soon(self.store.read_answers)  # before adoption stores anything
             self.adoption = await adopt(self, stored or {})
+            self.programs.adopt(list(self.registry.live.values()))
+            nursery.start_soon(self.programs.run)
             nursery.start_soon(self._accept_loop, listener)
             nursery.start_soon(housekeeping.expire_unclaimed, self)
             nursery.start_soon(housekeeping.idle_exit, self)
@@ -322,7 +329,7 @@ async def _request_loop(holder: Holder, conn: Connection) -> None:
         request, fd = got
         match request:
             case (protocol.Deposit() | protocol.Retrieve() | protocol.RetrieveMany()
-                  | protocol.Update()) if holder.stopping:
+                  | protocol.Update() | protocol.Start()) if holder.stopping:
                 if fd is not None:
                     os.close(fd)
                 await conn.send_error("busy", "the holder is restarting; ask again",
@@ -333,6 +340,12 @@ async def _request_loop(holder: Holder, conn: Connection) -> None:
             case protocol.Retrieve() | protocol.RetrieveMany():
                 if not await handoff.retrieve(conn, request, holder.registry, holder.config,
                                               holder.nursery, lambda: holder.stopping):
+                    return
+            case protocol.Start():
+                if not await requests.start(holder, conn, request):
+                    return
+            case protocol.Wait():
+                if not await requests.wait(holder, conn, request):
                     return
             case protocol.Update():
                 await requests.update(holder, conn, request)

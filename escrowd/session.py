@@ -21,7 +21,7 @@ import trio
 
 from escrow_client.liveness import process_alive
 from escrow_client.platform import terminal_identity
-from escrow_client.protocol import Deposit, SessionInfo
+from escrow_client.protocol import Deposit, ProgramEnd, SessionInfo
 
 from . import journal
 from .drain import Reader
@@ -44,7 +44,7 @@ class Session:
                  "deposited_at", "state_since", "state", "handoff_id", "handoff_peer_pid",
                  "gap_totals", "journal_from", "journal", "journal_copying",
                  "journal_ranges", "hung_up", "record_lost", "unsent", "reader",
-                 "watch_scope", "adopted_handoff", "storing")
+                 "watch_scope", "adopted_handoff", "storing", "started", "exit_status")
 
     def __init__(
         self,
@@ -121,6 +121,9 @@ class Session:
         self.journal_ranges = [(a, b) for a, b in record.journal_ranges]
         self.hung_up = False  # a read failed: the last slave fd is closed
         self.record_lost = record.record_lost  # adopted without its record (escrowd.adoption)
+        # The holder started its program, and how it ended (escrowd.programs).
+        self.started: bool = record.started
+        self.exit_status: ProgramEnd = record.exit_status
         self._init_runtime(record.saved_flags)
         ring.on_layout = self.persist
 
@@ -169,6 +172,7 @@ class Session:
             journal_from=self.journal_from, journal_ranges=self.journal_ranges,
             journal_capacity=self.journal.capacity if self.journal is not None else 0,
             journal_copying=self.journal_copying, record_lost=self.record_lost,
+            started=self.started, exit_status=self.exit_status,
             **self.ring.layout(), **self.ring.modes.stored(),
         ))
 
@@ -223,6 +227,7 @@ class Session:
             custodian_pid=self.custodian_pid if self.state == "held" else None,
             handoff_id=self.handoff_id, cols=self.cols, rows=self.rows, meta=self.meta,
             replay_gap_at=gaps[-1] if gaps else None, replay_gaps=gaps,
+            started=self.started, exit_status=self.exit_status,
         )
 
     # --- draining (the reading itself: escrowd.drain) -----------------------------------

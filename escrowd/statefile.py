@@ -38,6 +38,7 @@ import msgspec
 
 from escrow_client.journal import FIXED as _FIXED
 from escrow_client.journal import MAX_WRITE, TOTAL_OFFSET
+from escrow_client.protocol import ProgramEnd
 
 from .shm import Mapping, new_file
 
@@ -100,6 +101,8 @@ class Record(msgspec.Struct, kw_only=True):
     journal_ranges: list[tuple[int, int]] = []  # [from, to) totals an app recorded
     gap_totals: list[int] = []  # byte numbers after which one read may be missing
     record_lost: bool = False  # adopted without a record it could believe (escrowd.adoption)
+    started: bool = False  # the holder started the program (escrowd.programs)
+    exit_status: ProgramEnd = None  # and it ended so (None: it runs, or was not started)
     # The terminal modes in force at byte number `modes_at`, and a sequence cut there
     # (escrowd.modes, escrowd.ring_modes): what a replay starting there sets first.
     modes: list[int] = []

@@ -105,8 +105,8 @@ def test_list_shows_deposited_sessions(holder: HolderProcess, pty_children) -> N
     result = escrowctl(holder.socket, "list")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "BUFFERED",
-                                "DROPPED", "AGE", "ATTACH"]
+    assert lines[0].split() == ["SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "EXIT",
+                                "BUFFERED", "DROPPED", "AGE", "ATTACH"]
     row = next(line for line in lines if line.startswith(f"{OWNER}/tab-1 "))
     assert row.split()[:5] == [f"{OWNER}/tab-1", "draining", "zsh", str(mine.pid), "yes"]
     row = next(line for line in lines if line.startswith(f"{OTHER_OWNER}/tab-9 "))
@@ -141,7 +141,7 @@ def test_list_says_what_can_be_attached(holder: HolderProcess, pty_children) -> 
     held = pty_children(["sh", "-c", "exec sleep 60"])
     with holder.client().custody() as custody:
         custody.deposit("t-held", held.master, child_pid=held.pid)
-        result = escrowctl(holder.socket, "list")
+        result = escrowctl(holder.socket, "list", "--all")
         custody.release("t-held")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -171,10 +171,10 @@ def test_release_then_list_shows_released(holder: HolderProcess, pty_children) -
     assert result.returncode == 0, result.stderr
     assert f"released {OWNER}/tab-1" in result.stdout
 
-    result = escrowctl(holder.socket, "list", "--json")
+    result = escrowctl(holder.socket, "list", "--all", "--json")
     [info] = json.loads(result.stdout)
     assert (info["owner"], info["id"], info["state"]) == (OWNER, "tab-1", "released")
-    result = escrowctl(holder.socket, "list")
+    result = escrowctl(holder.socket, "list", "--all")
     assert result.stdout.splitlines()[1].split()[:2] == [f"{OWNER}/tab-1", "released"]
 
     # Releasing it again says so, and is no failure: nothing is left to release.

@@ -25,7 +25,7 @@ from escrow_client import cli
 from escrow_client.parser import build_parser
 
 VERBS = ("status", "stop", "upgrade", "list", "release", "kill", "attach", "run",
-         "install_service", "uninstall_service", "demo", "completion")
+         "install_service", "uninstall_service", "demo", "completion", "wait")
 # Nothing a call of escrowctl needs but the one verb that uses it.
 EVERY_CALL = (
     "trio", "escrowd", "xml", "urllib", "http", "email", "ssl", "subprocess",
@@ -35,6 +35,7 @@ EVERY_CALL = (
     "escrow_client.demo", "escrow_client.control", "escrow_client.autostart",
     "escrow_client.journal", "escrow_client.replies", "escrow_client.completion",
     "escrow_client.kill",
+    "escrow_client.program_wait", "escrow_client.run_start",
 )
 # What only a call to the holder needs.
 CALLS = ("socket", "msgspec", "escrow_client.protocol", "escrow_client.channel",

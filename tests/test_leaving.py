@@ -284,7 +284,9 @@ def test_ctrl_c_ends_the_wait_for_a_program_that_left_its_terminal(
                           "exec sleep 60"])
     wait_for(lambda: state(holder, "w2") == "released", TIMEOUT,
              "the attachment to end with the program's terminal")
-    [program] = psutil.Process(local.pid).children()  # waited for
+    released = session(holder, "w2")
+    assert released is not None and released.child_pid is not None
+    program = psutil.Process(released.child_pid)  # the holder's child, waited for
     wait_for(lambda: not ignores(local.pid, signal.SIGINT), TIMEOUT,
              "escrowctl to take Ctrl-C again, as it waits for the program")
     try:

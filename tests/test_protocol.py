@@ -66,6 +66,9 @@ REQUESTS: list[P.Message] = [
     P.List(),
     P.List(all_owners=True),
     P.Status(),
+    P.Start(id="run-1", argv=["sh", "-c", "exit 3"], cwd="/home/ann", env={"TERM": "xterm"},
+            cols=80, rows=24),
+    P.Wait(id="run-1"),
 ]
 
 RESPONSES: list[P.Message] = [
@@ -74,6 +77,9 @@ RESPONSES: list[P.Message] = [
     P.Deposited(id="tab-1"),
     P.Deposited(id="tab-3", journal=P.Journal(capacity=1 << 20, total=0, position=0)),
     P.Updated(id="tab-1"),
+    P.Waited(id="run-1", exit_status=P.ExitStatus(code=3)),
+    P.Waited(id="run-2", exit_status=P.ExitStatus(signal=9)),
+    P.Waited(id="run-3", exit_status="unknown"),
     P.Released(id="tab-1"),
     P.Handoff(handoff_id=HANDOFF_ID, session=_info(), replay=b"$ ls\r\n", dropped_bytes=0),
     P.Handoff(handoff_id=HANDOFF_ID, session=_info(state="exited", child_alive=None,

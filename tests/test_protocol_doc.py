@@ -62,6 +62,7 @@ HANDOFF_ID = "5f0c6a1e9b2d4c7f8a3e6b1d0c9f2a74"
 HANDOFF_ID_2 = "9d3b7e21c4a85f60b1e2d7c93a4f0e58"
 HANDOFF_ID_3 = "2a6f0d94e1b7c35a8f4e9c0d6b3a1e72"
 HANDOFF_ID_4 = "c81e4a7f2b9d06e35a1f8c4b7d2e9a60"
+HANDOFF_ID_5 = "e5b2c7a9d1f3408e6a2b9c5d7f1e3a84"
 OWNER = "com.example.term"
 RING_BYTES = 1048576  # a holder's default --ring-bytes
 
@@ -187,6 +188,21 @@ EXAMPLES: dict[str, tuple[str, protocol.Message]] = {
     )),
     "retrieve_keep": ("14.11", protocol.Retrieve(id="tab-3", keep=True, journal=True)),
     "ack_keep": ("14.11", protocol.Ack(id="tab-3", handoff_id=HANDOFF_ID_2, keep=True)),
+    # Section 14.12: the holder starts `make` in a new session and hands it into custody;
+    # later, detached, the app asks how it ended.
+    "start": ("14.12", protocol.Start(
+        id="build-1", argv=["sh", "-c", "make"], cwd="/home/ann/src",
+        env={"TERM": "xterm-256color"}, label="make", cols=100, rows=30)),
+    "handoff_start": ("14.12", protocol.Handoff(
+        handoff_id=HANDOFF_ID_5, session=protocol.SessionInfo(
+            owner=OWNER, id="build-1", label="make", state="draining", child_pid=31341,
+            child_alive=True, deposited_at=1767225800.0, state_since=1767225800.0,
+            buffered_bytes=0, dropped_bytes=0, custodian_pid=None, handoff_id=HANDOFF_ID_5,
+            cols=100, rows=30, started=True),
+        replay=b"")),
+    "wait": ("14.12", protocol.Wait(id="build-1")),
+    "waited": ("14.12", protocol.Waited(id="build-1",
+                                        exit_status=protocol.ExitStatus(code=2))),
 }
 
 
@@ -503,7 +519,7 @@ def test_the_frames_shown_with_fds() -> None:
                 if protocol.fds_carried(m)}
     assert carriers == {"handoff": 1, "deposit": 1, "deposit_journal": 1,
                         "deposited_journal": 1, "handoff_journal": 2, "handoff_journal_2": 2,
-                        "handoff_modes": 1, "handoff_replay_file": 2}
+                        "handoff_modes": 1, "handoff_replay_file": 2, "handoff_start": 1}
 
 
 def test_the_example_welcome_shows_the_default_settings() -> None:
@@ -650,6 +666,8 @@ MESSAGES: dict[str, type[msgspec.Struct]] = {
     "SessionInfo": protocol.SessionInfo,
     "Journal": protocol.Journal,
     "ReplayFile": protocol.ReplayFile,
+    "ExitStatus": protocol.ExitStatus,
+    "Modes": protocol.Modes,
 }
 
 
@@ -657,9 +675,10 @@ def describe(t: msgspec.inspect.Type) -> tuple[str, str]:
     """(type, limit) of a field, written as section 7 writes them."""
     mi = msgspec.inspect
     if isinstance(t, mi.UnionType):
-        (inner,) = [x for x in t.types if not isinstance(x, mi.NoneType)]
-        kind, limit = describe(inner)
-        return f"{kind} | nil", limit
+        inner = [describe(x) for x in t.types if not isinstance(x, mi.NoneType)]
+        nil = " | nil" if any(isinstance(x, mi.NoneType) for x in t.types) else ""
+        limits = [limit for _, limit in inner if limit != "—"]
+        return " | ".join(kind for kind, _ in inner) + nil, "; ".join(limits) or "—"
     if isinstance(t, mi.IntType):
         return "int", "—" if t.ge is None and t.le is None else f"{t.ge} .. {t.le}"
     if isinstance(t, mi.StrType):
@@ -679,12 +698,15 @@ def describe(t: msgspec.inspect.Type) -> tuple[str, str]:
         kind, item_limit = describe(t.item_type)
         if t.min_length is None and t.max_length is None:
             return f"list[{kind}]", "—"
-        assert item_limit == "name", "only a list of names has limits"
-        return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} names"
+        if item_limit == "name":
+            return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} names"
+        return f"list[{kind}]", f"{t.min_length or 0} .. {t.max_length} items, each {item_limit}"
     if isinstance(t, mi.StructType):
         return t.cls.__name__, "—"
     if isinstance(t, mi.LiteralType):
-        return "str", "a state (section 10.1)"
+        if set(t.values) == set(typing.get_args(protocol.SessionState)):
+            return "str", "a state (section 10.1)"
+        return "str", " or ".join(f'`"{v}"`' for v in t.values)
     simple = {mi.FloatType: "float", mi.BoolType: "bool", mi.BytesType: "bytes"}
     return simple[type(t)], "—"
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import psutil
@@ -235,30 +236,34 @@ def test_a_stray_sigusr1_changes_nothing(
 
 # The program of a `run`: it closes its terminal (the attachment ends, and escrowctl
 # releases the session and waits for it), waits for the release, sends escrowctl a
-# SIGUSR1, and exits 3.
-_SIGNALS_ITS_PARENT = """
+# SIGUSR1 (its pid in the file argv[3] names), and exits 3.
+_SIGNALS_ESCROWCTL = """
 import json, os, signal, subprocess, sys, time
 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the hang-up of its terminal, closed
 for fd in (0, 1, 2):
     os.close(fd)
 deadline = time.monotonic() + 10
 while time.monotonic() < deadline:
-    out = subprocess.run([sys.argv[1], "--socket", sys.argv[2], "list", "--json"],
+    out = subprocess.run([sys.argv[1], "--socket", sys.argv[2], "list", "--all", "--json"],
                          capture_output=True, stdin=subprocess.DEVNULL).stdout
-    if any(s["id"] == "s3" and s["state"] == "released" for s in json.loads(out or "[]")):
+    if any(s["id"] == "s3" and s["state"] == "released" for s in json.loads(out or "[]")) \
+            and os.path.getsize(sys.argv[3]):
         break
     time.sleep(0.02)
-os.kill(os.getppid(), signal.SIGUSR1)
+# escrowctl's pid, from the test (the holder started this program: its parent is not it).
+os.kill(int(open(sys.argv[3]).read()), signal.SIGUSR1)
 sys.exit(3)
 """
 
 
 def test_a_sigusr1_outside_an_attachment_does_not_kill_escrowctl(
-    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+    holder: HolderProcess, pty_children: Callable[..., PtyChild], tmp_path: Path
 ) -> None:
+    pid_file = tmp_path / "escrowctl.pid"
     child = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "s3", "--",
-                          sys.executable, "-c", _SIGNALS_ITS_PARENT, ESCROWCTL,
-                          holder.socket])
+                          sys.executable, "-c", _SIGNALS_ESCROWCTL, ESCROWCTL,
+                          holder.socket, str(pid_file)])
+    pid_file.write_text(str(child.proc.pid))
     assert child.proc.wait(TIMEOUT) == 3  # not killed by the signal (-SIGUSR1)
 
 

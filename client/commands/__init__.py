@@ -1,5 +1,5 @@
 """The verbs of `escrowctl`, one module each: `status`, `stop`, `upgrade`, `list`, `release`,
-`kill`, `attach`, `run`, `install_service`, `uninstall_service`, `demo`, `completion`.
+`kill`, `attach`, `run`, `install_service`, `uninstall_service`, `demo`, `completion`, `wait`.
 
 A subpackage rather than flat `cmd_*.py` modules beside the library: nine verbs and what they
 share would more than double the files in `escrow_client`, and mix the command line (argument

@@ -1,6 +1,7 @@
 """`escrowctl list`: the escrowed sessions, every owner's (or one owner's), as a table or
-as JSON. The table's last column says whether `escrowctl attach` can take a session now,
-and if not, who has it."""
+as JSON; the live ones, or with `--all` the ended ones too (exited, and the tombstones).
+EXIT says how a program the holder started ended; the last column whether `escrowctl
+attach` can take a session now, and if not, who has it."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ from ..protocol import SessionInfo
 from .arguments import admin, client
 from .text import ALIVE, duration, print_json, size
 
+# What `list` shows without --all: sessions whose program may still run, or be attached.
+_RUNNING = frozenset({"held", "draining", "handing_off"})
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--owner", metavar="OWNER",
                    help="only this owner's sessions (default: every owner's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of sessions")
+    p.add_argument("--all", action="store_true", help="the ended sessions too: exited, "
+                   "released, handed_off, expired")
     p.set_defaults(func=run)
 
 
@@ -28,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         sessions = admin(args).list(all_owners=True)
     else:
         sessions = client(args, args.owner).list()
+    if not args.all:
+        sessions = [s for s in sessions if s.state in _RUNNING]
     if args.json:
         print_json([msgspec.to_builtins(s) for s in sessions])
     elif not sessions:
@@ -39,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _session_table(sessions: Sequence[SessionInfo], now: float) -> str:
-    header = ("SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "BUFFERED", "DROPPED", "AGE",
-              "ATTACH")
+    header = ("SESSION", "STATE", "LABEL", "CHILD", "ALIVE", "EXIT", "BUFFERED", "DROPPED",
+              "AGE", "ATTACH")
     rows = [header] + [
         (
             f"{s.owner}/{s.id}",
@@ -48,6 +56,7 @@ def _session_table(sessions: Sequence[SessionInfo], now: float) -> str:
             s.label or "-",
             str(s.child_pid) if s.child_pid is not None else "-",
             ALIVE[s.child_alive],
+            _exit(s),
             size(s.buffered_bytes),
             size(s.dropped_bytes),
             duration(now - s.state_since),
@@ -56,12 +65,30 @@ def _session_table(sessions: Sequence[SessionInfo], now: float) -> str:
         for s in sessions
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    right = {5, 6, 7}  # numbers line up on the right
+    right = {6, 7, 8}  # numbers line up on the right
     return "\n".join(
         "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
                   for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
         for row in rows
     )
+
+
+def _exit(s: SessionInfo) -> str:
+    """How the program ended: its code, or the signal that killed it; `?` when nobody can
+    know; `-` while it runs, or for a program the holder did not start."""
+    ending = s.exit_status
+    if ending is None:
+        return "-"
+    if isinstance(ending, str):
+        return "?"
+    if ending.code is not None:
+        return str(ending.code)
+    import signal
+
+    try:
+        return signal.Signals(ending.signal or 0).name
+    except ValueError:
+        return f"SIG{ending.signal}"
 
 
 def _attachable(s: SessionInfo) -> str:

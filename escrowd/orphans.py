@@ -1,0 +1,177 @@
+"""Orphans' exit statuses: what the keeper keeps for the next holder (docs/design.md §16).
+
+A program the holder started is the holder's child; if the holder dies (SIGKILL, a crash)
+while the program runs, the program is orphaned. On Linux the keeper is the child
+subreaper (PR_SET_CHILD_SUBREAPER), so orphans become its children: at each SIGCHLD it
+looks at its children that are not its own holders, standbys or trial runs, and for each
+that has ended it first reads its status and start time without reaping it (waitid with
+WNOWAIT: the pid cannot be reused meanwhile), keeps them in a small file, and only then
+reaps it. So a holder that sees the program's pid gone finds its status there already;
+a zombie is reaped by the keeper alone, and a status is written once.
+
+The files are in `<socket>.exits/`, a directory of the user's alone (0700), one per
+orphan, named by its pid and start time and holding both with the status (msgpack). A
+holder believes one only if the directory and the file are the user's and no one else's,
+the file is a small regular file that decodes, and its pid and start time are the
+program's (a reused pid started at another time): anything else is not believed, and the
+status is `unknown`. A file taken is removed; at most `_MAX_KEPT` are kept (orphans that
+were no session's program, a grandchild, say, are nobody's to take), the oldest removed.
+
+macOS has no subreaper: there, and under systemd without the keeper (the service
+manager reaps orphans), nobody keeps a status, and it is `unknown`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import sys
+from typing import Any
+
+import msgspec
+
+from escrow_client import processes, protocol
+
+from .log import log
+
+_MAX_KEPT = 256
+_MAX_FILE = 512  # bytes: a kept status is far smaller
+_SAME_START = 0.05  # as escrow_client.liveness
+
+
+class Kept(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pid: protocol.Pid
+    start_time: float
+    status: protocol.ExitStatus
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Kept)
+
+
+def exits_dir(socket_path: str) -> str:
+    return socket_path + ".exits"
+
+
+# --- the keeper's side -------------------------------------------------------------------
+
+
+def reap(own: set[int], directory: str) -> None:
+    """Reap every ended child of this process not in `own`, keeping its status first."""
+    if sys.platform != "linux":  # (no subreaper: no orphans come here)
+        return
+    try:
+        children = processes.children()
+    except OSError:  # out of fds, say: looked at again at the next turn (never a crash)
+        return
+    for pid in children:
+        if pid in own:
+            continue
+        try:
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            continue
+        if ended is None:
+            continue
+        status = _status(ended)
+        try:
+            start_time: float | None = processes.process_state(pid)[1]
+        except (OSError, ValueError):
+            start_time = None
+        if status is not None and start_time is not None:
+            try:
+                keep(directory, Kept(pid=pid, start_time=start_time, status=status))
+            except OSError as exc:
+                log("keeper_error", error=repr(exc), reason=f"status of orphan {pid} not kept")
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        log("keeper_orphan_reaped", pid=pid,
+            status=None if status is None else status.shell_status())
+
+
+def _status(ended: Any) -> protocol.ExitStatus | None:
+    """An os.waitid_result (Linux only), as an ExitStatus."""
+    if ended.si_code == os.CLD_EXITED:
+        return protocol.ExitStatus(code=ended.si_status & 0xFF)
+    if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return protocol.ExitStatus(signal=ended.si_status)
+    return None
+
+
+def keep(directory: str, kept: Kept) -> None:
+    """Write one kept status (and trim the directory to `_MAX_KEPT`)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    if not _private(directory, stat.S_ISDIR):
+        raise PermissionError(f"{directory} is not this user's alone")
+    name = os.path.join(directory, f"{kept.pid}-{kept.start_time!r}")
+    temporary = f"{name}.new"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, _encoder.encode(kept))
+    finally:
+        os.close(fd)
+    os.replace(temporary, name)
+    entries = sorted(os.scandir(directory), key=lambda e: e.stat(follow_symlinks=False).st_mtime)
+    for entry in entries[:-_MAX_KEPT]:
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+
+
+# --- the holder's side -------------------------------------------------------------------
+
+
+def take(directory: str | None, pid: int, start_time: float | None) -> protocol.ExitStatus | None:
+    """The status kept for program `pid` that started at `start_time`, if one is kept and
+    believed (see the module's docstring); the file is removed. None otherwise."""
+    if directory is None or start_time is None or not _private(directory, stat.S_ISDIR):
+        return None
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(f"{pid}-")]
+    except OSError:
+        return None
+    for name in names:
+        path = os.path.join(directory, name)
+        kept = read(path)
+        if kept is not None and kept.pid == pid and abs(kept.start_time - start_time) < _SAME_START:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return kept.status
+    return None
+
+
+def read(path: str) -> Kept | None:
+    """A kept status file, if it can be believed (never following a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+                and info.st_mode & 0o077 == 0 and info.st_size <= _MAX_FILE):
+            return None
+        data = os.read(fd, _MAX_FILE + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parse(data)
+
+
+def parse(data: bytes) -> Kept | None:
+    """A kept status's bytes, decoded, or None for anything else."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        return None
+
+
+def _private(path: str, kind: object) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return bool(kind(info.st_mode)  # type: ignore[operator]
+                and info.st_uid == os.geteuid() and info.st_mode & 0o077 == 0)
