@@ -17,6 +17,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Verb:
     options: tuple[Option, ...]
     choices: tuple[str, ...]  # what its positional may be, when the parser says
     sessions: bool  # it takes an OWNER/ID
+    command: bool  # what follows its `--` is a command line of its own (argparse.REMAINDER)
 
 
 def command_line() -> tuple[tuple[Option, ...], tuple[Verb, ...]]:
@@ -57,7 +59,8 @@ def _verb(name: str, line: str, parser: argparse.ArgumentParser) -> Verb:
     positionals = [a for a in parser._actions if not a.option_strings]
     choices = tuple(str(c) for a in positionals for c in (a.choices or ()))
     sessions = any(a.metavar == SESSION_METAVAR for a in positionals)
-    return Verb(name, line, _options(parser), choices, sessions)
+    command = any(a.nargs == argparse.REMAINDER for a in positionals)
+    return Verb(name, line, _options(parser), choices, sessions, command)
 
 
 def _options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
@@ -96,40 +99,72 @@ def _names(options: Sequence[Option]) -> str:
 def _bash(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
     cases = "".join(
         f"        {v.name}) options='{_names(v.options)}'; valued='{' '.join(_valued(v.options))}'"
-        f"; words='{' '.join(v.choices)}'; sessions={int(v.sessions)} ;;\n"
+        f"; words='{' '.join(v.choices)}'; sessions={int(v.sessions)}"
+        f"; command={int(v.command)} ;;\n"
         for v in verbs)
     return f"""\
 # bash completion for escrowctl, written by `escrowctl completion bash`.
 # Load it with: source <(escrowctl completion bash)
+# Candidates are matched as strings into COMPREPLY, never through `compgen -W` or an
+# unquoted $(...): an id the holder sends is data, not words for the shell to expand.
+_escrowctl_add() {{
+    local w
+    while IFS= read -r w; do
+        [[ -n $w && $w == "$cur"* ]] && COMPREPLY+=("$w")
+    done
+}}
 _escrowctl() {{
-    local line=${{COMP_LINE:0:COMP_POINT}} verb='' i
+    local line=${{COMP_LINE:0:COMP_POINT}} verb='' at=0 i
     local cur=${{line##*[[:space:]]}} prev=${{COMP_WORDS[COMP_CWORD-1]}}
+    # `--opt=value` is three words here (`=` breaks words): the option is before the `=`.
+    [[ $prev == = ]] && prev=${{COMP_WORDS[COMP_CWORD-2]}}
+    [[ ${{COMP_WORDS[COMP_CWORD]}} == = ]] && prev=${{COMP_WORDS[COMP_CWORD-1]}}
     for ((i = 1; i < COMP_CWORD; i++)); do
         case ${{COMP_WORDS[i]}} in
-            {'|'.join(_valued(top)) or '--'}) ((i++)) ;;
+            {'|'.join(_valued(top)) or '--'}) [[ ${{COMP_WORDS[i+1]}} == = ]] && ((i++)); ((i++)) ;;
             -*) ;;
-            *) verb=${{COMP_WORDS[i]}}; break ;;
+            *) verb=${{COMP_WORDS[i]}}; at=$i; break ;;
         esac
     done
     local options='{_names(top)}' valued='{' '.join(_valued(top))}'
-    local words='{' '.join(v.name for v in verbs)}' sessions=0
+    local words='{' '.join(v.name for v in verbs)}' sessions=0 command=0
     case $verb in
 {cases}    esac
+    COMPREPLY=()
+    if ((command)); then  # after `--`, a command line of its own
+        for ((i = at + 1; i < COMP_CWORD; i++)); do
+            [[ ${{COMP_WORDS[i]}} == -- ]] || continue
+            if declare -F _command_offset >/dev/null; then
+                _command_offset $((i + 1))
+            elif ((i + 1 == COMP_CWORD)); then
+                _escrowctl_add < <(compgen -c -- "$cur")
+            else
+                compopt -o bashdefault -o default 2>/dev/null
+            fi
+            return 0
+        done
+    fi
+    local value=$cur nl=$'\\n'
+    [[ $cur == --*=* ]] && value=${{cur#*=}}
     if [[ -n $prev && " $valued " == *" $prev "* ]]; then
-        [[ $prev == --socket ]] && COMPREPLY=($(compgen -f -- "$cur"))
-        return 0
-    fi
-    if [[ $cur == -* ]]; then
-        COMPREPLY=($(compgen -W "$options" -- "$cur"))
+        if [[ $prev == --socket ]]; then
+            cur=$value _escrowctl_add < <(compgen -f -- "$value")
+            [[ $value != "$cur" ]] && COMPREPLY=("${{COMPREPLY[@]/#/${{cur%%=*}}=}}")
+        fi
+    elif [[ $cur == -* ]]; then
+        _escrowctl_add <<< "${{options// /$nl}}"
     else
-        ((sessions)) && words+=" $(command escrowctl _complete sessions \\
-            "${{COMP_WORDS[@]:1:COMP_CWORD-1}}" 2>/dev/null)"
-        COMPREPLY=($(compgen -W "$words" -- "$cur"))
+        _escrowctl_add <<< "${{words// /$nl}}"
+        ((sessions)) && _escrowctl_add < <(command escrowctl _complete sessions \\
+            "${{COMP_WORDS[@]:1:COMP_CWORD-1}}" 2>/dev/null)
     fi
-    # An id with a colon is split at it into words (COMP_WORDBREAKS): each candidate
-    # replaces only the part after the last colon.
-    if [[ $cur == *:* && $COMP_WORDBREAKS == *:* ]]; then
-        local before=${{cur%"${{cur##*:}}"}}
+    # Readline replaces only what follows the last `:` or `=` of the word (COMP_WORDBREAKS):
+    # each candidate loses what comes before it.
+    local tail=$cur
+    [[ $COMP_WORDBREAKS == *:* ]] && tail=${{tail##*:}}
+    [[ $COMP_WORDBREAKS == *=* ]] && tail=${{tail##*=}}
+    if [[ $tail != "$cur" ]]; then
+        local before=${{cur%"$tail"}}
         COMPREPLY=("${{COMPREPLY[@]#"$before"}}")
     fi
     return 0
@@ -249,24 +284,63 @@ complete -c escrowctl -f
 {"".join(lines)}"""
 
 
+class _Expired(Exception):
+    """The Tab's whole second is up."""
+
+
+def _expire(signum: int, frame: object) -> None:
+    raise _Expired
+
+
 def print_sessions(words: Sequence[str]) -> int:
     """`escrowctl _complete sessions WORDS...`: the id of each session a holder holds,
     one a line, on the socket `--socket` names in WORDS (else the default); nothing when
-    no holder answers. Always 0."""
+    no holder answers. Always 0.
+
+    What a holder says is printed only when owner and id are protocol names: a shell
+    that completes a word may run what is in it (bash's `compgen -W` expands `$(...)`),
+    and a listener on the socket may say anything. Connect and list share one deadline,
+    and an alarm bounds the whole: this process is the Tab's own, so its alarm is
+    nobody else's."""
+    import signal
+
+    signal.signal(signal.SIGALRM, _expire)
+    signal.setitimer(signal.ITIMER_REAL, SESSIONS_TIMEOUT + 0.2)
+    try:
+        print("".join(_sessions(_socket_on(words))), end="")
+    except Exception:  # a Tab says nothing rather than an error into the line
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return 0
+
+
+def _socket_on(words: Sequence[str]) -> str | None:
+    """The `--socket` on the line typed so far, as `--socket PATH`, `--socket=PATH`, or
+    bash's `--socket = PATH` (its words break at `=`), with `~` as the shell would."""
     socket = None
     for i, word in enumerate(words):
         if word == "--socket" and i + 1 < len(words):
-            socket = words[i + 1]
+            rest = words[i + 1:]
+            socket = rest[1] if rest[0] == "=" and len(rest) > 1 else rest[0]
         elif word.startswith("--socket="):
             socket = word.partition("=")[2]
-    try:
-        from . import protocol
-        from .client import EscrowClient
+    return os.path.expanduser(socket) if socket else None
 
-        sessions = EscrowClient("escrowctl", socket_path=socket, timeout=SESSIONS_TIMEOUT,
-                                client_name="escrowctl completion").list(all_owners=True)
-        print("".join(f"{s.owner}/{s.id}\n" for s in sessions
-                      if s.state not in protocol.TOMBSTONE_STATES), end="")
-    except Exception:  # a Tab says nothing rather than an error into the line
-        pass
-    return 0
+
+def _sessions(socket: str | None) -> list[str]:
+    from . import protocol
+    from .channel import Deadline, connect
+    from .paths import resolve_socket_path
+
+    deadline = Deadline(SESSIONS_TIMEOUT)
+    hello = protocol.Hello(version=protocol.VERSION, owner="escrowctl",
+                           client="escrowctl completion", timeout=SESSIONS_TIMEOUT)
+    with connect(resolve_socket_path(socket), hello, deadline) as channel:
+        reply, _ = channel.call(protocol.List(all_owners=True), deadline)
+    if not isinstance(reply, protocol.Sessions):
+        return []
+    return [f"{s.owner}/{s.id}\n" for s in reply.sessions
+            if s.state not in protocol.TOMBSTONE_STATES
+            and re.fullmatch(protocol.NAME_CHARS, s.owner)
+            and re.fullmatch(protocol.NAME_CHARS, s.id)]
