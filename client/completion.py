@@ -6,12 +6,17 @@ by `command_line`), so a verb added to VERBS is completed by the next script pri
 without a word of shell written for it. Each script completes the verbs, the options of
 the top and of each verb, a positional's choices, and, for a verb that takes a session
 (`OWNER/ID`, `commands.arguments.add_session_ref`), the ids of the sessions a live holder
-holds. Those come from `escrowctl _complete sessions WORDS...` (`print_sessions`), which
+holds. After the `--` of a verb that runs a command (`run`, `install-service`) the shell's
+own completion takes over: that is a command line of its own.
+
+The ids come from `escrowctl _complete sessions WORDS...` (`print_sessions`), which
 `cli.main` answers before argparse is loaded: WORDS are the command line typed so far, so
-that a `--socket PATH` on it is the holder asked. It asks once, for a second at most, never
-starts a holder, and says nothing and exits 0 when there is none, or anything goes wrong:
-a Tab that prints an error into the line being typed is worse than one that completes
-nothing.
+that a `--socket PATH` on it is the holder asked. It asks once, for a second at most (one
+deadline for connect and list, and an alarm over the whole process), never starts a holder
+itself, and says nothing and exits 0 when there is none, or anything goes wrong: a Tab
+that prints an error into the line being typed is worse than one that completes nothing.
+It prints only ids that are protocol names, and the scripts match them as strings: what a
+listener on the socket says must never become words a shell expands.
 """
 
 from __future__ import annotations
@@ -185,7 +190,7 @@ def _zsh(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
     cases = "".join(
         f"        ({v.name}) options=({_zsh_items(v.options)}); "
         f"valued=({' '.join(_valued(v.options))}); cands=({' '.join(v.choices)}); "
-        f"sessions={int(v.sessions)} ;;\n"
+        f"sessions={int(v.sessions)}; command={int(v.command)} ;;\n"
         for v in verbs)
     commands = " ".join(_zsh_quote(f"{v.name}:{_short(v.help)}") for v in verbs)
     return f"""\
@@ -202,12 +207,19 @@ _escrowctl() {{
         esac
     done
     local -a options valued cands ids
-    local sessions=0
+    local sessions=0 command=0
     options=({_zsh_items(top)})
     valued=({' '.join(_valued(top))})
     cands=({commands})
     case $verb in
 {cases}    esac
+    local dashdash=${{words[(ieb:i+1:)--]}}
+    if (( command && dashdash < CURRENT )); then  # after `--`, a command line of its own
+        shift $dashdash words
+        (( CURRENT -= dashdash ))
+        _normal
+        return
+    fi
     if (( ${{valued[(Ie)${{words[CURRENT-1]}}]}} )); then
         [[ ${{words[CURRENT-1]}} == --socket ]] && _files
         return
@@ -255,6 +267,10 @@ def _fish(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
             lines.append(f"complete -c escrowctl -n {condition} -a '{' '.join(v.choices)}'\n")
         if v.sessions:
             lines.append(f"complete -c escrowctl -n {condition} -a '(__escrowctl_sessions)'\n")
+        if v.command:
+            lines.append(f"complete -c escrowctl -n 'test \"$(__escrowctl_verb)\" = {v.name}; "
+                         "and __escrowctl_command >/dev/null' "
+                         "-a '(__escrowctl_complete_command)'\n")
     top_valued = " ".join(_valued(top)) or "--"
     return f"""\
 # fish completion for escrowctl, written by `escrowctl completion fish`: save it as
@@ -273,8 +289,19 @@ function __escrowctl_verb --description 'the verb on the command line, if any'
     end
     return 1
 end
-function __escrowctl_verb_is
-    test "$(__escrowctl_verb)" = $argv[1]
+function __escrowctl_verb_is --description 'the verb is argv[1], and no `--` follows it'
+    test "$(__escrowctl_verb)" = $argv[1]; and not __escrowctl_command >/dev/null
+end
+function __escrowctl_command --description 'the words after `--`, if there is one'
+    set -l words (commandline -opc)
+    set -l at (contains -i -- -- $words); or return 1
+    set -e words[1..$at]
+    string join \\n -- $words
+    return 0
+end
+function __escrowctl_complete_command --description 'what follows `--`: a command line'
+    set -l words (__escrowctl_command)
+    complete -C "$(string join ' ' -- (string escape -- $words) '')$(commandline -ct)"
 end
 function __escrowctl_sessions --description 'the sessions a live holder holds'
     set -l words (commandline -opc)
