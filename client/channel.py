@@ -165,7 +165,7 @@ class Channel:
         """The next message, with the fds it carried. An `error` answer is raised."""
         self._arm(deadline)
         try:
-            body, fds = self._reader.read()
+            body, fds = self._reader.read(deadline.at)
         except TimeoutError:
             raise self._timed_out("did not answer") from None
         except EOFError:

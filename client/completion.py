@@ -6,17 +6,23 @@ by `command_line`), so a verb added to VERBS is completed by the next script pri
 without a word of shell written for it. Each script completes the verbs, the options of
 the top and of each verb, a positional's choices, and, for a verb that takes a session
 (`OWNER/ID`, `commands.arguments.add_session_ref`), the ids of the sessions a live holder
-holds. Those come from `escrowctl _complete sessions WORDS...` (`print_sessions`), which
+holds. After the `--` of a verb that runs a command (`run`, `install-service`) the shell's
+own completion takes over: that is a command line of its own.
+
+The ids come from `escrowctl _complete sessions WORDS...` (`print_sessions`), which
 `cli.main` answers before argparse is loaded: WORDS are the command line typed so far, so
-that a `--socket PATH` on it is the holder asked. It asks once, for a second at most, never
-starts a holder, and says nothing and exits 0 when there is none, or anything goes wrong:
-a Tab that prints an error into the line being typed is worse than one that completes
-nothing.
+that a `--socket PATH` on it is the holder asked. It asks once, for a second at most (one
+deadline for connect and list, and an alarm over the whole process), never starts a holder
+itself, and says nothing and exits 0 when there is none, or anything goes wrong: a Tab
+that prints an error into the line being typed is worse than one that completes nothing.
+It prints only ids that are protocol names, and the scripts match them as strings: what a
+listener on the socket says must never become words a shell expands.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +47,7 @@ class Verb:
     options: tuple[Option, ...]
     choices: tuple[str, ...]  # what its positional may be, when the parser says
     sessions: bool  # it takes an OWNER/ID
+    command: bool  # what follows its `--` is a command line of its own (argparse.REMAINDER)
 
 
 def command_line() -> tuple[tuple[Option, ...], tuple[Verb, ...]]:
@@ -57,7 +64,8 @@ def _verb(name: str, line: str, parser: argparse.ArgumentParser) -> Verb:
     positionals = [a for a in parser._actions if not a.option_strings]
     choices = tuple(str(c) for a in positionals for c in (a.choices or ()))
     sessions = any(a.metavar == SESSION_METAVAR for a in positionals)
-    return Verb(name, line, _options(parser), choices, sessions)
+    command = any(a.nargs == argparse.REMAINDER for a in positionals)
+    return Verb(name, line, _options(parser), choices, sessions, command)
 
 
 def _options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
@@ -96,40 +104,72 @@ def _names(options: Sequence[Option]) -> str:
 def _bash(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
     cases = "".join(
         f"        {v.name}) options='{_names(v.options)}'; valued='{' '.join(_valued(v.options))}'"
-        f"; words='{' '.join(v.choices)}'; sessions={int(v.sessions)} ;;\n"
+        f"; words='{' '.join(v.choices)}'; sessions={int(v.sessions)}"
+        f"; command={int(v.command)} ;;\n"
         for v in verbs)
     return f"""\
 # bash completion for escrowctl, written by `escrowctl completion bash`.
 # Load it with: source <(escrowctl completion bash)
+# Candidates are matched as strings into COMPREPLY, never through `compgen -W` or an
+# unquoted $(...): an id the holder sends is data, not words for the shell to expand.
+_escrowctl_add() {{
+    local w
+    while IFS= read -r w; do
+        [[ -n $w && $w == "$cur"* ]] && COMPREPLY+=("$w")
+    done
+}}
 _escrowctl() {{
-    local line=${{COMP_LINE:0:COMP_POINT}} verb='' i
+    local line=${{COMP_LINE:0:COMP_POINT}} verb='' at=0 i
     local cur=${{line##*[[:space:]]}} prev=${{COMP_WORDS[COMP_CWORD-1]}}
+    # `--opt=value` is three words here (`=` breaks words): the option is before the `=`.
+    [[ $prev == = ]] && prev=${{COMP_WORDS[COMP_CWORD-2]}}
+    [[ ${{COMP_WORDS[COMP_CWORD]}} == = ]] && prev=${{COMP_WORDS[COMP_CWORD-1]}}
     for ((i = 1; i < COMP_CWORD; i++)); do
         case ${{COMP_WORDS[i]}} in
-            {'|'.join(_valued(top)) or '--'}) ((i++)) ;;
+            {'|'.join(_valued(top)) or '--'}) [[ ${{COMP_WORDS[i+1]}} == = ]] && ((i++)); ((i++)) ;;
             -*) ;;
-            *) verb=${{COMP_WORDS[i]}}; break ;;
+            *) verb=${{COMP_WORDS[i]}}; at=$i; break ;;
         esac
     done
     local options='{_names(top)}' valued='{' '.join(_valued(top))}'
-    local words='{' '.join(v.name for v in verbs)}' sessions=0
+    local words='{' '.join(v.name for v in verbs)}' sessions=0 command=0
     case $verb in
 {cases}    esac
+    COMPREPLY=()
+    if ((command)); then  # after `--`, a command line of its own
+        for ((i = at + 1; i < COMP_CWORD; i++)); do
+            [[ ${{COMP_WORDS[i]}} == -- ]] || continue
+            if declare -F _command_offset >/dev/null; then
+                _command_offset $((i + 1))
+            elif ((i + 1 == COMP_CWORD)); then
+                _escrowctl_add < <(compgen -c -- "$cur")
+            else
+                compopt -o bashdefault -o default 2>/dev/null
+            fi
+            return 0
+        done
+    fi
+    local value=$cur nl=$'\\n'
+    [[ $cur == --*=* ]] && value=${{cur#*=}}
     if [[ -n $prev && " $valued " == *" $prev "* ]]; then
-        [[ $prev == --socket ]] && COMPREPLY=($(compgen -f -- "$cur"))
-        return 0
-    fi
-    if [[ $cur == -* ]]; then
-        COMPREPLY=($(compgen -W "$options" -- "$cur"))
+        if [[ $prev == --socket ]]; then
+            cur=$value _escrowctl_add < <(compgen -f -- "$value")
+            [[ $value != "$cur" ]] && COMPREPLY=("${{COMPREPLY[@]/#/${{cur%%=*}}=}}")
+        fi
+    elif [[ $cur == -* ]]; then
+        _escrowctl_add <<< "${{options// /$nl}}"
     else
-        ((sessions)) && words+=" $(command escrowctl _complete sessions \\
-            "${{COMP_WORDS[@]:1:COMP_CWORD-1}}" 2>/dev/null)"
-        COMPREPLY=($(compgen -W "$words" -- "$cur"))
+        _escrowctl_add <<< "${{words// /$nl}}"
+        ((sessions)) && _escrowctl_add < <(command escrowctl _complete sessions \\
+            "${{COMP_WORDS[@]:1:COMP_CWORD-1}}" 2>/dev/null)
     fi
-    # An id with a colon is split at it into words (COMP_WORDBREAKS): each candidate
-    # replaces only the part after the last colon.
-    if [[ $cur == *:* && $COMP_WORDBREAKS == *:* ]]; then
-        local before=${{cur%"${{cur##*:}}"}}
+    # Readline replaces only what follows the last `:` or `=` of the word (COMP_WORDBREAKS):
+    # each candidate loses what comes before it.
+    local tail=$cur
+    [[ $COMP_WORDBREAKS == *:* ]] && tail=${{tail##*:}}
+    [[ $COMP_WORDBREAKS == *=* ]] && tail=${{tail##*=}}
+    if [[ $tail != "$cur" ]]; then
+        local before=${{cur%"$tail"}}
         COMPREPLY=("${{COMPREPLY[@]#"$before"}}")
     fi
     return 0
@@ -150,7 +190,7 @@ def _zsh(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
     cases = "".join(
         f"        ({v.name}) options=({_zsh_items(v.options)}); "
         f"valued=({' '.join(_valued(v.options))}); cands=({' '.join(v.choices)}); "
-        f"sessions={int(v.sessions)} ;;\n"
+        f"sessions={int(v.sessions)}; command={int(v.command)} ;;\n"
         for v in verbs)
     commands = " ".join(_zsh_quote(f"{v.name}:{_short(v.help)}") for v in verbs)
     return f"""\
@@ -167,12 +207,19 @@ _escrowctl() {{
         esac
     done
     local -a options valued cands ids
-    local sessions=0
+    local sessions=0 command=0
     options=({_zsh_items(top)})
     valued=({' '.join(_valued(top))})
     cands=({commands})
     case $verb in
 {cases}    esac
+    local dashdash=${{words[(ieb:i+1:)--]}}
+    if (( command && dashdash < CURRENT )); then  # after `--`, a command line of its own
+        shift $dashdash words
+        (( CURRENT -= dashdash ))
+        _normal
+        return
+    fi
     if (( ${{valued[(Ie)${{words[CURRENT-1]}}]}} )); then
         [[ ${{words[CURRENT-1]}} == --socket ]] && _files
         return
@@ -220,6 +267,10 @@ def _fish(top: Sequence[Option], verbs: Sequence[Verb]) -> str:
             lines.append(f"complete -c escrowctl -n {condition} -a '{' '.join(v.choices)}'\n")
         if v.sessions:
             lines.append(f"complete -c escrowctl -n {condition} -a '(__escrowctl_sessions)'\n")
+        if v.command:
+            lines.append(f"complete -c escrowctl -n 'test \"$(__escrowctl_verb)\" = {v.name}; "
+                         "and __escrowctl_command >/dev/null' "
+                         "-a '(__escrowctl_complete_command)'\n")
     top_valued = " ".join(_valued(top)) or "--"
     return f"""\
 # fish completion for escrowctl, written by `escrowctl completion fish`: save it as
@@ -238,8 +289,19 @@ function __escrowctl_verb --description 'the verb on the command line, if any'
     end
     return 1
 end
-function __escrowctl_verb_is
-    test "$(__escrowctl_verb)" = $argv[1]
+function __escrowctl_verb_is --description 'the verb is argv[1], and no `--` follows it'
+    test "$(__escrowctl_verb)" = $argv[1]; and not __escrowctl_command >/dev/null
+end
+function __escrowctl_command --description 'the words after `--`, if there is one'
+    set -l words (commandline -opc)
+    set -l at (contains -i -- -- $words); or return 1
+    set -e words[1..$at]
+    string join \\n -- $words
+    return 0
+end
+function __escrowctl_complete_command --description 'what follows `--`: a command line'
+    set -l words (__escrowctl_command)
+    complete -C "$(string join ' ' -- (string escape -- $words) '')$(commandline -ct)"
 end
 function __escrowctl_sessions --description 'the sessions a live holder holds'
     set -l words (commandline -opc)
@@ -249,24 +311,63 @@ complete -c escrowctl -f
 {"".join(lines)}"""
 
 
+class _Expired(Exception):
+    """The Tab's whole second is up."""
+
+
+def _expire(signum: int, frame: object) -> None:
+    raise _Expired
+
+
 def print_sessions(words: Sequence[str]) -> int:
     """`escrowctl _complete sessions WORDS...`: the id of each session a holder holds,
     one a line, on the socket `--socket` names in WORDS (else the default); nothing when
-    no holder answers. Always 0."""
+    no holder answers. Always 0.
+
+    What a holder says is printed only when owner and id are protocol names: a shell
+    that completes a word may run what is in it (bash's `compgen -W` expands `$(...)`),
+    and a listener on the socket may say anything. Connect and list share one deadline,
+    and an alarm bounds the whole: this process is the Tab's own, so its alarm is
+    nobody else's."""
+    import signal
+
+    signal.signal(signal.SIGALRM, _expire)
+    signal.setitimer(signal.ITIMER_REAL, SESSIONS_TIMEOUT + 0.2)
+    try:
+        print("".join(_sessions(_socket_on(words))), end="")
+    except Exception:  # a Tab says nothing rather than an error into the line
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return 0
+
+
+def _socket_on(words: Sequence[str]) -> str | None:
+    """The `--socket` on the line typed so far, as `--socket PATH`, `--socket=PATH`, or
+    bash's `--socket = PATH` (its words break at `=`), with `~` as the shell would."""
     socket = None
     for i, word in enumerate(words):
         if word == "--socket" and i + 1 < len(words):
-            socket = words[i + 1]
+            rest = words[i + 1:]
+            socket = rest[1] if rest[0] == "=" and len(rest) > 1 else rest[0]
         elif word.startswith("--socket="):
             socket = word.partition("=")[2]
-    try:
-        from . import protocol
-        from .client import EscrowClient
+    return os.path.expanduser(socket) if socket else None
 
-        sessions = EscrowClient("escrowctl", socket_path=socket, timeout=SESSIONS_TIMEOUT,
-                                client_name="escrowctl completion").list(all_owners=True)
-        print("".join(f"{s.owner}/{s.id}\n" for s in sessions
-                      if s.state not in protocol.TOMBSTONE_STATES), end="")
-    except Exception:  # a Tab says nothing rather than an error into the line
-        pass
-    return 0
+
+def _sessions(socket: str | None) -> list[str]:
+    from . import protocol
+    from .channel import Deadline, connect
+    from .paths import resolve_socket_path
+
+    deadline = Deadline(SESSIONS_TIMEOUT)
+    hello = protocol.Hello(version=protocol.VERSION, owner="escrowctl",
+                           client="escrowctl completion", timeout=SESSIONS_TIMEOUT)
+    with connect(resolve_socket_path(socket), hello, deadline) as channel:
+        reply, _ = channel.call(protocol.List(all_owners=True), deadline)
+    if not isinstance(reply, protocol.Sessions):
+        return []
+    return [f"{s.owner}/{s.id}\n" for s in reply.sessions
+            if s.state not in protocol.TOMBSTONE_STATES
+            and re.fullmatch(protocol.NAME_CHARS, s.owner)
+            and re.fullmatch(protocol.NAME_CHARS, s.id)]

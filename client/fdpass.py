@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import time
 from collections.abc import Iterable, Sequence
 
 from .platform import RECV_FLAGS, SEND_FLAGS, mark_cloexec
@@ -179,10 +180,12 @@ class FrameReader:
         self.max_body = max_body
         self._buffer = bytearray()
 
-    def read(self) -> tuple[memoryview, list[int]]:
+    def read(self, until: float | None = None) -> tuple[memoryview, list[int]]:
         """The next frame's body, valid until the next `read`, and its fds (the caller's).
         EOFError at a clean end of stream, ProtocolError on a bad frame, OSError (including
-        TimeoutError) otherwise."""
+        TimeoutError) otherwise. With `until` (a `time.monotonic()` instant), TimeoutError
+        once it passes, however the frame trickles in: a socket's own timeout starts
+        again at every byte that comes."""
         fds: list[int] = []
         truncated: TruncatedFds | None = None
 
@@ -190,6 +193,11 @@ class FrameReader:
             nonlocal truncated
             got = 0
             while got < len(view):
+                if until is not None:
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("the deadline passed in the middle of a frame")
+                    self.sock.settimeout(left)
                 n, ancdata, flags, _ = self.sock.recvmsg_into([view[got:]], ANCILLARY_SPACE,
                                                               RECV_FLAGS)
                 try:

@@ -375,3 +375,24 @@ def test_a_reply_other_than_done_asks_who_owns_the_fd(socket_dir: Path,
         assert [type(m) for m in fake.received[1]] == [protocol.List]
     finally:
         os.close(got.fd)
+
+
+def test_an_answer_that_trickles_in_times_out_on_the_deadline(socket_dir: Path) -> None:
+    """A peer that sends its answer a byte at a time restarted a socket's timeout at every
+    byte, so no deadline ever passed: the call now gives up when its deadline does."""
+    frame = protocol.encode(protocol.Sessions(sessions=[]))
+
+    def trickle(peer: Peer) -> None:
+        peer.expect(protocol.List)
+        for i in range(len(frame)):
+            try:
+                peer.sock.send(frame[i:i + 1])
+            except OSError:
+                return  # the client gave up and hung up
+            time.sleep(0.3)  # the peer's pace, not a wait for anything
+
+    with FakeHolder(socket_dir, [trickle]) as fake:
+        started = time.monotonic()
+        with pytest.raises(HolderUnresponsive, match="did not answer"):
+            fake.client(timeout=1.0).list()
+        assert time.monotonic() - started < 1.6

@@ -14,16 +14,18 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import test_attach
+from fakeholder import WELCOME, FakeHolder, Peer
 from test_attach import OUTER, Screens
 
 from conftest import HolderProcess, PtyChild, require_program
-from escrow_client import completion
+from escrow_client import completion, protocol
 from escrow_client.parser import VERBS
 
 screens = test_attach.screens  # the fixture: tmux servers, ended at teardown
@@ -171,3 +173,120 @@ def test_every_verb_is_in_every_script(shell: str) -> None:
         assert name in script
     takes_session = [v.name for v in completion.command_line()[1] if v.sessions]
     assert {"attach", "release"} <= set(takes_session)
+
+
+def test_bash_completes_after_an_equals_sign_and_after_a_double_dash(
+        screens: Screens, holder: HolderProcess,
+        pty_children: Callable[..., PtyChild]) -> None:
+    """bash breaks words at `=`: `--socket=PATH` and `--timeout=N` are one option with its
+    value. After `run --` comes a command line of its own: command names, then files."""
+    hold_sessions(holder, pty_children)
+    pane = screens.pane("bash", cols=160)
+    pane.line("source <(escrowctl completion bash)")
+    pane.wait_prompt(OUTER)
+    complete_in(pane, "escrowctl --timeout=3 att", "escrowctl --timeout=3 attach")
+    complete_in(pane, f"escrowctl --socket={holder.socket} attach com",
+                f"escrowctl --socket={holder.socket} attach com.example.term/tab-1")
+    directory = os.path.dirname(holder.socket)
+    complete_in(pane, f"escrowctl --socket={directory[:-1]}", f"escrowctl --socket={directory}")
+    complete_in(pane, "escrowctl run -- slee", "escrowctl run -- sleep")
+    complete_in(pane, "escrowctl run -- cat /etc/host", "escrowctl run -- cat /etc/host")
+    complete_in(pane, "escrowctl run -- cat /etc/hostn", "escrowctl run -- cat /etc/hostname")
+
+
+def hostile_sessions(mark: Path) -> Callable[[Peer], None]:
+    """A listener on the socket, of our own uid, answering `list` with ids a shell would
+    run (creating `mark`) or glob, beside one that is a name."""
+    def script(peer: Peer) -> None:
+        peer.expect(protocol.List)
+        ids = [f"$(touch {mark})", f"`touch {mark}`", "tab-*", "tab 2", "tab-1"]
+        peer.send(protocol.Sessions(sessions=[
+            protocol.SessionInfo(owner="com.example.term", id=sid, state="held")
+            for sid in ids]))
+    return script
+
+
+def test_bash_runs_nothing_a_holder_sends(screens: Screens, socket_dir: Path) -> None:
+    """Only ids that are protocol names are offered, and bash adds them by matching, not
+    through `compgen -W` (which expands `$(...)`) or an unquoted `$(...)` (which globs)."""
+    mark = screens.dir / "ran"
+    with FakeHolder(socket_dir, [hostile_sessions(mark)], repeat_last=True) as fake:
+        result, _ = complete_sessions("--socket", fake.socket_path, "attach",
+                                      env=env_for(fake.socket_path))
+        assert result.stdout == "com.example.term/tab-1\n"
+        pane = screens.pane("bash", cols=160)
+        pane.line("source <(escrowctl completion bash)")
+        pane.wait_prompt(OUTER)
+        complete_in(pane, f"escrowctl --socket {fake.socket_path} attach com",
+                    f"escrowctl --socket {fake.socket_path} attach com.example.term/tab-1")
+    assert not mark.exists()
+
+
+def test_zsh_and_fish_complete_the_command_after_a_double_dash(
+        screens: Screens, holder: HolderProcess, tmp_path: Path) -> None:
+    require_program("zsh")
+    require_program("fish")
+    functions = screens.dir / "zfunc"
+    functions.mkdir()
+    (functions / "_escrowctl").write_text(completion.script("zsh"))
+    pane = screens.pane("zsh", cols=120)
+    pane.line(f"exec env PS1='zsh$ ' ZDOTDIR={shlex.quote(str(screens.dir))} zsh -f")
+    pane.wait_prompt("zsh$ ")
+    pane.line(f"bindkey -e; fpath=({shlex.quote(str(functions))} $fpath); "
+              "autoload -U compinit; compinit -u -D")
+    pane.wait_prompt("zsh$ ")
+    complete_in(pane, "escrowctl run -- slee", "escrowctl run -- sleep")
+    complete_in(pane, "escrowctl run -- cat /etc/hostn", "escrowctl run -- cat /etc/hostname")
+    complete_in(pane, "escrowctl install-service -- --ver", "escrowctl install-service -- --ver")
+    script = tmp_path / "escrowctl.fish"
+    script.write_text(completion.script("fish"))
+    env = env_for(holder.socket)
+    assert fish_complete(script, "escrowctl run -- slee", env) == ["sleep"]
+    assert fish_complete(script, "escrowctl run -- cat /etc/hostn", env) == ["/etc/hostname"]
+    assert "--detach-key" in fish_complete(script, "escrowctl run --det", env)
+    assert "--detach-key" not in fish_complete(script, "escrowctl run -- sh --det", env)
+
+
+def test_session_ids_on_a_socket_named_with_a_tilde(
+        holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
+    """`--socket ~/x` is the socket in $HOME, as the shell would have expanded it."""
+    hold_sessions(holder, pty_children)
+    home, name = os.path.split(holder.socket)
+    env = {**env_for("/nonexistent/escrowd.sock"), "HOME": home}
+    result, _ = complete_sessions("--socket", f"~/{name}", "attach", env=env)
+    assert sorted(result.stdout.splitlines()) == sorted(SESSIONS)
+    result, _ = complete_sessions(f"--socket=~/{name}", "attach", env=env)
+    assert sorted(result.stdout.splitlines()) == sorted(SESSIONS)
+
+
+def test_session_ids_from_a_listener_that_trickles_are_nothing_within_the_second(
+        socket_dir: Path) -> None:
+    """A listener that sends its welcome a byte every 0.3 s never lets a socket timeout
+    pass: the Tab's one deadline, and its alarm, still end it within about a second."""
+    path = str(socket_dir / "trickle.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    done = threading.Event()
+
+    def trickle() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            for byte in protocol.encode(WELCOME):
+                if done.wait(0.3):  # the listener's pace; the test's end stops it
+                    return
+                try:
+                    connection.send(bytes([byte]))
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        result, took = complete_sessions("attach", env=env_for(path))
+        assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+        assert took < 1.5
+    finally:
+        done.set()
+        listener.close()
+        thread.join(5)
