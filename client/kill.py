@@ -276,7 +276,8 @@ class _Ending:
         if everyone:
             self._pin_session()
         for pid, pidfd in self.pinned.items():
-            if pid in done or _ended(pidfd) or not (everyone or pid == self.sid):
+            if (not (everyone or pid == self.sid) or _ended(pidfd)
+                    or _group_of(pid) in done):  # (it got the group's signal)
                 continue
             described = process_name(pid)
             try:
@@ -322,6 +323,13 @@ class _Ending:
                 return
             if not data:
                 self.hung_up = True
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def _ended(pidfd: int) -> bool:
