@@ -229,6 +229,20 @@ def test_a_released_session_has_nothing_to_kill(
     assert result.stderr == f"escrowctl: {OWNER}/gone is released: there is nothing to kill\n"
 
 
+def test_a_handed_off_session_is_said_to_be_the_apps(
+        holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
+    child = deposit(holder, pty_children, "taken")
+    got = holder.client().retrieve("taken")
+    try:
+        result = escrowctl(holder.socket, "kill", f"{OWNER}/taken")
+        assert result.returncode == 3
+        assert result.stderr == (f"escrowctl: {OWNER}/taken was handed off to an app, which "
+                                 "holds it now: close it there\n")
+        assert child.proc.poll() is None
+    finally:
+        os.close(got.fd)
+
+
 def test_a_session_whose_program_ended_is_only_released(
         holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
     child = pty_children(["sh", "-c", "echo bye"])
