@@ -140,6 +140,7 @@ class _Ending:
         self.hung_up = False
         self.sid = 0  # the terminal's session, as the kernel first named it
         self.pinned: dict[int, int] = {}  # pid -> pidfd, each verified of that session
+        self.not_permitted: set[int] = set()  # pids (or groups' leaders) another user's
 
     def close(self) -> None:
         for pidfd in self.pinned.values():
@@ -169,6 +170,10 @@ class _Ending:
             if not self._wait(time.monotonic() + (KILL_WAIT if sent else 0.0)):
                 self._not_ended(killed, started)
         killed.ended_after = time.monotonic() - started
+        for pid in sorted(self.not_permitted):
+            if pid in self.pinned and not _ended(self.pinned[pid]):
+                killed.notes.append(f"pid {pid}{_named(process_name(pid))}, another user's, "
+                                    "still runs, no longer on the terminal")
         return killed
 
     def _not_ended(self, killed: Killed, started: float) -> None:
@@ -263,6 +268,7 @@ class _Ending:
             except PermissionError:
                 killed.steps.append(f"{name} to process group {group}{_named(described)} "
                                     "not permitted: it is another user's")
+                self.not_permitted.add(group)
                 continue
             sent += 1
             done.add(group)
@@ -287,6 +293,7 @@ class _Ending:
             except PermissionError:
                 killed.steps.append(f"{name} to pid {pid}{_named(described)} not permitted: "
                                     "it is another user's")
+                self.not_permitted.add(pid)
                 continue
             sent += 1
             killed.signalled.append((name, pid, described))

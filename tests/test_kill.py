@@ -360,7 +360,7 @@ def test_a_terminal_held_open_from_outside_the_session_is_not_called_ended(
             "not ended after "), result.stderr
         assert result.stderr.endswith("(escrowctl release hangs it up) (held_open)\n")
         ended_by(child, signal.SIGHUP)
-        assert state(holder, "held-open") in ("draining", "exited")
+        assert state(holder, "held-open") == "draining"
     finally:
         os.close(slave)
     holder.client().release("held-open")
@@ -434,13 +434,13 @@ def test_a_stale_foreground_group_whose_number_another_session_took_is_not_signa
 
 ANOTHER_USERS_FOREGROUND = r"""
 import os, signal, sys
-setpriv, uid, gid = sys.argv[1:4]
+setpriv, uid, gid, redirect = sys.argv[1:5]
 signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 job = os.fork()
 if job == 0:
     os.setpgid(0, 0)
     os.execv(setpriv, [setpriv, "--reuid", uid, "--regid", gid, "--clear-groups", "sh", "-c",
-                       "trap '' HUP; echo ready; exec sleep 302"])
+                       "trap '' HUP; echo ready; exec sleep 302" + redirect])
 os.setpgid(job, job)
 os.tcsetpgrp(0, job)
 signal.signal(signal.SIGTTOU, signal.SIG_DFL)
@@ -448,25 +448,37 @@ os.execvp("sleep", ["sleep", "303"])
 """
 
 
+def _another_users_job(pty_children: Callable[..., PtyChild],
+                       redirect: str) -> tuple[PtyChild, int]:
+    """A session leader of ours whose foreground job is the other user's `sleep`."""
+    user = other_user()
+    child = pty_children([sys.executable, "-c", ANOTHER_USERS_FOREGROUND,
+                          require_program("setpriv"), str(user.uid), str(user.gid), redirect])
+    assert b"ready" in child.read_available(until=b"ready")
+    job = foreground_child(child)
+    wait_for(lambda: process_name(child.pid) == "sleep" and process_name(job) == "sleep", 5,
+             "both to exec sleep")
+    return child, job
+
+
+def _kill_without_cap_kill(holder: HolderProcess, sid: str) -> subprocess.CompletedProcess[str]:
+    """`escrowctl kill` as this uid (root) without CAP_KILL: another user's process is not
+    its to signal."""
+    return subprocess.run(
+        [require_program("setpriv"), "--bounding-set", "-kill", "--inh-caps", "-kill",
+         sys.executable, "-m", "escrow_client.cli", "--socket", holder.socket, "kill",
+         "--grace", GRACE, f"{OWNER}/{sid}"], capture_output=True, text=True, timeout=20)
+
+
 def test_another_users_process_is_told_the_rest_is_done_and_the_outcome_is_real(
         holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
     """The foreground job is another user's and ignores SIGHUP; kill may not signal it
     (escrowctl runs without CAP_KILL): the leader still gets its SIGHUP and ends, every step
     is said, and the exit is 5 with the session escrowed."""
-    user = other_user()
-    setpriv = require_program("setpriv")
-    child = pty_children([sys.executable, "-c", ANOTHER_USERS_FOREGROUND, setpriv,
-                          str(user.uid), str(user.gid)])
-    assert b"ready" in child.read_available(until=b"ready")
-    job = foreground_child(child)
-    wait_for(lambda: process_name(child.pid) == "sleep" and process_name(job) == "sleep", 5,
-             "both to exec sleep")
+    child, job = _another_users_job(pty_children, "")
     try:
         hand_off(holder, child, "others")
-        result = subprocess.run(
-            [setpriv, "--bounding-set", "-kill", "--inh-caps", "-kill", sys.executable, "-m",
-             "escrow_client.cli", "--socket", holder.socket, "kill", "--grace", GRACE,
-             f"{OWNER}/others"], capture_output=True, text=True, timeout=20)
+        result = _kill_without_cap_kill(holder, "others")
         assert result.returncode == 5, result.stderr
         assert result.stdout == ""
         assert re.fullmatch(
@@ -478,11 +490,31 @@ def test_another_users_process_is_told_the_rest_is_done_and_the_outcome_is_real(
             r"holder drains the session again \(running\)\n", result.stderr), result.stderr
         ended_by(child, signal.SIGHUP)
         assert _exists(job)
-        assert state(holder, "others") in ("draining", "exited")
+        assert state(holder, "others") == "draining"
     finally:
         os.kill(job, signal.SIGKILL)
     wait_for(lambda: not _exists(job), 5, "the other user's job to end")
     holder.client().release("others")
+
+
+def test_another_users_process_that_lets_go_of_the_terminal_is_ended_and_told(
+        holder: HolderProcess, pty_children: Callable[..., PtyChild]) -> None:
+    """Not permitted to signal it, but it holds no fd of the terminal: once the leader ends
+    the terminal hangs up, so the session is ended (exit 0), and that process is told."""
+    child, job = _another_users_job(pty_children, " </dev/null >/dev/null 2>&1")
+    try:
+        hand_off(holder, child, "others-gone")
+        result = _kill_without_cap_kill(holder, "others-gone")
+        assert result.returncode == 0, result.stderr
+        assert re.fullmatch(
+            rf"killed {OWNER}/others-gone: SIGHUP to pid {child.pid} \(sleep\); SIGHUP to "
+            rf"process group {job} \(sleep\) not permitted: it is another user's; ended "
+            rf"after \d+\.\d s; released; pid {job} \(sleep\), another user's, still runs, "
+            r"no longer on the terminal\n", result.stdout), result.stdout
+        ended_by(child, signal.SIGHUP)
+        assert state(holder, "others-gone") == "released"
+    finally:
+        os.kill(job, signal.SIGKILL)
 
 
 def _ignored(pid: int) -> set[int]:
