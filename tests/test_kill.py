@@ -301,6 +301,20 @@ def test_the_library_leaks_no_fd_killing_or_refusing(
                 assert platform.open_fd_count() == before
                 custody.release("counted-held")
 
+    held_open = pty_children(["sh", "-c", "exec sleep 60"])
+    wait_for(lambda: process_name(held_open.pid) == "sleep", 5, "sleep")
+    slave = os.open(os.readlink(f"/proc/{held_open.pid}/fd/0"), os.O_RDWR | os.O_NOCTTY)
+    try:
+        hand_off(holder, held_open, "counted-open")
+        before = platform.open_fd_count()
+        with pytest.raises(kill.NotEnded) as raised:
+            kill.kill(client, "counted-open", grace=0.1)
+        assert raised.value.code == "held_open"
+        assert platform.open_fd_count() == before
+    finally:
+        os.close(slave)
+    client.release("counted-open")
+
 
 def _children(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).children()]
