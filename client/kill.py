@@ -255,12 +255,12 @@ class _Ending:
             if group is None:
                 continue
             pidfd = self._pin(group)
+            described = process_name(group)  # (before the proof: nothing between it and killpg)
             if (pidfd is None or group not in self._ask()
                     or not self._verified(group, pidfd, group=True)):
                 _note(killed, f"process group {group}, which its terminal names, was not "
                       "signalled: its leader has ended, or is not of the terminal's session")
                 continue
-            described = process_name(group)
             try:
                 os.killpg(group, signum)
             except ProcessLookupError:
