@@ -179,7 +179,7 @@ class _Ending:
     def _not_ended(self, killed: Killed, started: float) -> None:
         self._pin_session()
         running = [pid for pid, pidfd in self.pinned.items() if not _ended(pidfd)]
-        done = "; ".join(killed.steps)
+        done = "; ".join(killed.steps + killed.notes)
         after = f"{time.monotonic() - started:.1f} s after the first signal"
         if running:
             who = ", ".join(f"pid {pid}{_named(process_name(pid))}" for pid in running)
@@ -216,7 +216,7 @@ class _Ending:
         if pidfd is None:
             return None
         try:
-            verified = self._verified(pid, pidfd, group=False)
+            verified = self._verified(pid, pidfd)
         except BaseException:
             os.close(pidfd)
             raise
@@ -226,15 +226,12 @@ class _Ending:
         self.pinned[pid] = pidfd
         return pidfd
 
-    def _verified(self, pid: int, pidfd: int, group: bool) -> bool:
-        """Whether the process of `pidfd` (numbered `pid`) is of the terminal's session, and
-        a process group's leader if `group`: asked once the pidfd is held, then the session
-        proved the same (a pinned process of it still runs, so its number cannot have been
-        taken, or the kernel names it still), then the pidfd proved not ended, so that the
-        answers were that process's."""
+    def _verified(self, pid: int, pidfd: int) -> bool:
+        """Whether the process of `pidfd` (numbered `pid`) is of the terminal's session:
+        asked once the pidfd is held, then the session proved the same (a pinned process of
+        it still runs, so its number cannot have been taken, or the kernel names it still),
+        then the pidfd proved not ended, so that the answer was that process's."""
         try:
-            if group and os.getpgid(pid) != pid:
-                return False
             if os.getsid(pid) != self.sid:
                 return False
         except OSError:
@@ -242,6 +239,18 @@ class _Ending:
         witnessed = (any(not _ended(fd) for other, fd in self.pinned.items() if other != pid)
                      or self._ask()[0] == self.sid)
         return witnessed and not _ended(pidfd)
+
+    def _leads_group(self, pid: int, pidfd: int) -> bool:
+        """Whether the pinned (so verified) process `pid` leads a process group of the
+        terminal's session now, asked before its pidfd is seen not to have ended: while it
+        runs, no other group can have its number. (A process leaves its session only by
+        setsid(), which would make its own pid the session's.)"""
+        try:
+            if os.getpgid(pid) != pid or os.getsid(pid) != self.sid:
+                return False
+        except OSError:
+            return False
+        return not _ended(pidfd)
 
     def _signal(self, signum: int, killed: Killed, everyone: bool) -> int:
         """`signum` to every process group the kernel names now whose leader is pinned and
@@ -251,16 +260,22 @@ class _Ending:
         name = signal.Signals(signum).name
         sent = 0
         done: set[int] = set()
-        for group in dict.fromkeys(self._ask()):
-            if group is None:
-                continue
+        leader, foreground = self._ask()
+        # The foreground group first: the leader's end takes the terminal from it (a shell
+        # passing the hangup on may end it before it is proved, too).
+        groups = [g for g in dict.fromkeys((foreground, leader)) if g is not None]
+        proved: list[tuple[int, int]] = []
+        for group in groups:
             pidfd = self._pin(group)
-            described = process_name(group)  # (before the proof: nothing between it and killpg)
-            if (pidfd is None or group not in self._ask()
-                    or not self._verified(group, pidfd, group=True)):
+            if pidfd is None or not self._leads_group(group, pidfd):
                 _note(killed, f"process group {group}, which its terminal names, was not "
                       "signalled: its leader has ended, or is not of the terminal's session")
-                continue
+            else:
+                proved.append((group, pidfd))
+        for group, pidfd in proved:
+            described = process_name(group)  # (before the proof: nothing between it and killpg)
+            if group not in self._ask() or not self._leads_group(group, pidfd):
+                continue  # it has just ended, or the terminal been taken from it
             try:
                 os.killpg(group, signum)
             except ProcessLookupError:

@@ -455,7 +455,10 @@ if job == 0:
     os.setpgid(0, 0)
     os.execv(setpriv, [setpriv, "--reuid", uid, "--regid", gid, "--clear-groups", "sh", "-c",
                        "trap '' HUP; echo ready; exec sleep 302" + redirect])
-os.setpgid(job, job)
+try:
+    os.setpgid(job, job)
+except OSError:
+    pass  # it has done so itself, and gone on to exec
 os.tcsetpgrp(0, job)
 signal.signal(signal.SIGTTOU, signal.SIG_DFL)
 os.execvp("sleep", ["sleep", "303"])
@@ -496,8 +499,8 @@ def test_another_users_process_is_told_the_rest_is_done_and_the_outcome_is_real(
         assert result.returncode == 5, result.stderr
         assert result.stdout == ""
         assert re.fullmatch(
-            rf"escrowctl: {OWNER}/others: not ended: SIGHUP to pid {child.pid} \(sleep\); "
-            rf"SIGHUP to process group {job} \(sleep\) not permitted: it is another user's; "
+            rf"escrowctl: {OWNER}/others: not ended: SIGHUP to process group {job} \(sleep\) "
+            rf"not permitted: it is another user's; SIGHUP to pid {child.pid} \(sleep\); "
             r"not ended after \d+\.\d s; "
             rf"SIGKILL to pid {job} \(sleep\) not permitted: it is another user's; "
             rf"pid {job} \(sleep\) still running \d+\.\d s after the first signal: the "
@@ -521,8 +524,8 @@ def test_another_users_process_that_lets_go_of_the_terminal_is_ended_and_told(
         result = _kill_without_cap_kill(holder, "others-gone")
         assert result.returncode == 0, result.stderr
         assert re.fullmatch(
-            rf"killed {OWNER}/others-gone: SIGHUP to pid {child.pid} \(sleep\); SIGHUP to "
-            rf"process group {job} \(sleep\) not permitted: it is another user's; ended "
+            rf"killed {OWNER}/others-gone: SIGHUP to process group {job} \(sleep\) not "
+            rf"permitted: it is another user's; SIGHUP to pid {child.pid} \(sleep\); ended "
             rf"after \d+\.\d s; released; pid {job} \(sleep\), another user's, still runs, "
             r"no longer on the terminal\n", result.stdout), result.stdout
         ended_by(child, signal.SIGHUP)
