@@ -191,6 +191,23 @@ def pin_process(pid: int) -> int | None:
         raise
 
 
+def session_members(sid: int) -> list[int] | None:
+    """The pids whose session is `sid` now, by a walk of /proc; None where the platform
+    cannot list processes this way (macOS). A number only: pin each and ask again."""
+    if sys.platform != "linux":
+        return None
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) == sid:
+                members.append(int(entry))
+        except OSError:
+            continue  # ended meanwhile, or not ours to ask
+    return members
+
+
 def signal_pinned(pidfd: int, signum: int) -> None:
     """Send `signum` to the process of a `pin_process` pidfd (ProcessLookupError: it has
     ended)."""
