@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_cli import escrowctl
 
-from conftest import HolderProcess, start_holder
+from conftest import HolderProcess, require_program, start_holder
 from escrow_client import EscrowClient, errors, waiting
 
 NOTICE = "escrowctl: waiting for the holder"
@@ -53,6 +53,21 @@ def test_status_names_the_stopped_holder_not_its_keeper(wedged: HolderProcess) -
     assert (f"  holder pid {wedged.serving_pid()} is not answering (its keeper pid "
             f"{wedged.pid} is alive and holds the socket)") in result.stdout, result.stdout
     assert result.stderr.count(NOTICE) == 1, result.stderr
+
+
+def test_a_listener_whose_pid_cannot_be_named_is_not_called_pid_0(
+        wedged: HolderProcess) -> None:
+    """From a pid namespace of its own, the kernel names the holder (in an ancestor one)
+    pid 0: that is "not known", and the notice names no pid."""
+    unshare = require_program("unshare")
+    result = subprocess.run(
+        [unshare, "--pid", "--fork", sys.executable, "-m", "escrow_client.cli", "--socket",
+         wedged.socket, "--timeout", "1.6", "list"],
+        capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count(NOTICE) == 1, result.stderr
+    assert f"{NOTICE} on {wedged.socket}" in result.stderr, result.stderr
+    assert "pid 0" not in result.stderr + result.stdout
 
 
 def test_a_library_caller_is_told_nothing(wedged: HolderProcess) -> None:
