@@ -18,7 +18,7 @@ import pytest
 from test_cli import escrowctl
 
 from conftest import HolderProcess, require_program, start_holder
-from escrow_client import EscrowClient, errors, waiting
+from escrow_client import EscrowClient, cli, errors, waiting
 
 NOTICE = "escrowctl: waiting for the holder"
 
@@ -84,6 +84,11 @@ def test_a_fast_answer_has_no_notice(holder: HolderProcess) -> None:
         result = escrowctl(holder.socket, *args)
         assert result.returncode == 0, result.stderr
         assert NOTICE not in result.stderr
+
+
+def test_main_in_process_leaves_no_teller_behind(holder: HolderProcess) -> None:
+    assert cli.main(["--socket", holder.socket, "list"]) == 0
+    assert waiting._teller is None
 
 
 def test_nothing_is_told_while_quiet_and_once_after(wedged: HolderProcess,
