@@ -23,7 +23,7 @@ from escrow_client.liveness import process_alive, process_start_time
 ESCROWCTL = str(Path(sys.executable).with_name("escrowctl"))
 TIMEOUT = 15.0
 STARTED = re.compile(r"escrowctl: started a holder \(pid (\d+)\) on (\S+); it keeps running "
-                     r"after this session ends; `escrowctl stop` stops it")
+                     r"after this session ends; `escrowctl --socket (\S+) stop` stops it")
 
 
 def run_in_pty(pty_children: Callable[..., PtyChild], socket: str, sid: str,
@@ -64,7 +64,7 @@ def test_run_starts_a_holder_says_so_and_the_holder_outlives_it(
     assert match is not None, out
     pid = int(match.group(1))
     started.append(pid)
-    assert match.group(2) == socket
+    assert match.group(2) == match.group(3) == socket
     assert (f"escrowctl: session escrowctl/first; detach with Ctrl-\\, back with "
             f"escrowctl --socket {socket} attach escrowctl/first") in out
     assert out.index("escrowctl: session") < out.index("ran-ok")  # said before attaching
