@@ -20,16 +20,24 @@ from . import paths, platform
 
 
 def start_holder(socket_path: str) -> str:
-    """How to start a holder on `socket_path`."""
-    if platform.IS_MACOS:
-        from .service_files import LAUNCHD_LABEL  # only for this sentence, only on macOS
+    """How to start a holder on `socket_path`; or, where no holder could start (a
+    directory it would refuse, or one unsafe to create), where to put the socket instead.
+    The service is named only for the default socket, the one install-service's units use
+    (unless told otherwise)."""
+    directory = os.path.dirname(socket_path)
+    if paths.refusal(directory) is not None or paths.creation_hazard(directory) is not None:
+        return f"no holder can start there: {own_directory(socket_path)}"
+    service = ""
+    if socket_path == paths.standard_socket_path():
+        if platform.IS_MACOS:
+            from .service_files import LAUNCHD_LABEL  # only for this sentence, only on macOS
 
-        service = f"`launchctl kickstart gui/{os.getuid()}/{LAUNCHD_LABEL}`"
-    else:
-        service = "`systemctl --user start escrowd.socket`"
+            command = f"`launchctl kickstart gui/{os.getuid()}/{LAUNCHD_LABEL}`"
+        else:
+            command = "`systemctl --user start escrowd.socket`"
+        service = f", or {command} if `escrowctl install-service` wrote its service"
     return (f"start one with `escrowd --socket {socket_path}` (`scripts/holder` in a "
-            f"checkout), or {service} if `escrowctl install-service` wrote its service; "
-            "`escrowctl run` starts one itself")
+            f"checkout){service}; `escrowctl run` starts one itself")
 
 
 def own_directory(socket_path: str) -> str:
@@ -46,10 +54,19 @@ def open_directory(socket_path: str, mode: int, owner: int) -> str:
     """What to do about the directory of `socket_path`, open to writes by group or others
     (`mode` and `owner` as lstat found them)."""
     directory = os.path.dirname(socket_path)
-    if owner == os.getuid() and not mode & stat.S_ISVTX and directory != paths.SHARED_TMP:
+    if owner == os.getuid() and not mode & stat.S_ISVTX and not _shared(directory):
         return (f"if that directory is yours alone, `chmod go-w {directory}`; else "
                 f"{own_directory(socket_path)}")
     return f"it is a shared directory: {own_directory(socket_path)}"
+
+
+def _shared(directory: str) -> bool:
+    """A directory whose mode others depend on: /tmp, one at the root (/run, /var), the
+    home or one above it."""
+    real = os.path.realpath(directory)
+    home = os.path.realpath(os.path.expanduser("~"))
+    return (real in (paths.SHARED_TMP, home) or os.path.dirname(real) == "/"
+            or home.startswith(real.rstrip("/") + "/"))
 
 
 def not_a_socket(socket_path: str) -> str | None:

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from . import errors, paths, protocol
+from . import advice, errors, paths, protocol
 from .interpreter import CHILD_CWD, python_command
 
 # Addressed to the app by its service manager, not to a holder the app happens to start: with
@@ -51,14 +51,15 @@ launched: list[int] = []  # their pids, as their launcher forked them
 def spawn_holder(socket_path: str, idle_exit: float) -> None:
     """Start a holder for `socket_path` (see the module's docstring). A directory the
     holder would refuse (open to group or others) is refused here, with the holder's own
-    reason, rather than left for the caller to wait on in vain."""
+    reason, rather than left for the caller to wait on in vain; so is a missing one whose
+    making would leave it at another user's mercy (`paths.creation_hazard`): they could
+    rename it away from under the holder."""
     global spawned
     directory = os.path.dirname(socket_path)
-    if os.path.isdir(directory):
-        try:
-            paths.ensure_private_dir(directory)
-        except paths.PathError as exc:
-            raise errors.EscrowConfigError(f"cannot start a holder there: {exc}") from None
+    reason = paths.refusal(directory) or paths.creation_hazard(directory)
+    if reason is not None:
+        raise errors.EscrowConfigError(f"cannot start a holder there: {reason}; "
+                                       f"{advice.own_directory(socket_path)}")
     env = {k: v for k, v in os.environ.items() if k not in _SERVICE_MANAGER_VARIABLES}
     holder = python_command("escrowd", "--socket", os.path.abspath(socket_path),
                             "--idle-exit", f"{idle_exit:g}")

@@ -128,6 +128,8 @@ def _run(args: argparse.Namespace) -> int:
     except Failed as exc:
         print(f"escrowctl: {exc}", file=sys.stderr)
         return exc.status
+    finally:
+        waiting.tell_with(None)  # main called in process: its caller is told nothing after
 
 
 if __name__ == "__main__":

@@ -69,10 +69,56 @@ def _check_private(st: os.stat_result, directory: str) -> None:
             f"(uid {os.getuid()}): refusing to use it"
         )
     if st.st_mode & 0o077:
+        # No chmod advised: the directory may be one others use (/run, a home).
         raise PathError(
             f"socket directory {directory} has mode {stat.S_IMODE(st.st_mode):04o}, open to "
-            "group or others: refusing to use it (chmod 700 it, or choose another --socket)"
+            "group or others: refusing to use it (choose a --socket in a directory of your "
+            "own, closed to others)"
         )
+
+
+def refusal(directory: str) -> str | None:
+    """Why a holder would refuse `directory` as it is now; None if it would use it, or it
+    does not exist (the holder creates it: see `creation_hazard`)."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot look at socket directory {directory}: {exc.strerror}"
+    try:
+        _check_private(st, directory)
+    except PathError as exc:
+        return str(exc)
+    return None
+
+
+def creation_hazard(directory: str) -> str | None:
+    """Why `directory`, missing, must not be created: its nearest existing ancestor is
+    writable by group or others without the sticky bit, or owned by another user than this
+    one or root, who could then rename the new directory away (or put another in its
+    place). None if it exists or is safe to create."""
+    path = os.path.abspath(directory)
+    while True:
+        try:
+            st = os.stat(path)
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        except OSError:
+            return None  # creating it fails on its own, and says why
+    if path == os.path.abspath(directory):
+        return None
+    if st.st_uid not in (0, os.getuid()):
+        return (f"{path}, where the socket directory {directory} would be created, is owned "
+                f"by uid {st.st_uid}, who could move it away")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (f"{path}, where the socket directory {directory} would be created, has mode "
+                f"{stat.S_IMODE(st.st_mode):04o}: writable by others, who could move it away")
+    return None
 
 
 def check_socket_path(path: str) -> None:

@@ -11,6 +11,13 @@ without a word: a holder that runs is named, with its sessions, and `escrowctl s
 the way to stop it (which refuses while sessions are escrowed). On macOS the agent is
 booted out only while its holder holds nothing (bootout stops it).
 
+Nor are the files removed while the service's holder holds sessions, unless forced: with the
+units gone, a crash of that holder has no `Restart=` and no fd store to come back to (a
+LaunchAgent's, no KeepAlive). "Holds none" needs positive proof (`service_holder`): the
+holder answered with no live session, or none runs (systemd runs no holder of the service,
+or `holder_verdict` says `not_running`/`dead`). A lock file that is missing or free proves
+nothing (anyone can remove it); anything that cannot be told is "cannot tell", never 0.
+
 Order, systemd: `systemctl --user disable` (the links that would start it at login), the
 files removed, `daemon-reload`. launchd: `launchctl bootout` (if nothing is held), the
 plist removed.
@@ -26,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import service_files
+from .liveness import STATUS_TIMEOUT, Verdict, holder_verdict, read_lock
+from .protocol import LIVE_STATES
 from .service_files import LAUNCHD_LABEL, SYSTEMD_SOCKET, install_plan
 
 UNITS = ("escrowd.socket", "escrowd.service")
@@ -111,6 +120,42 @@ def socket_of(removal: Removal) -> str | None:
         return path
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     return os.path.join(runtime, path[3:]) if runtime else None
+
+
+def service_holder(kind: str, socket: str | None) -> tuple[Verdict | None, int | None]:
+    """The verdict on the holder of the service's `socket` (None if none was asked for),
+    and the live sessions it holds: 0 only on positive proof, None when it cannot be told.
+
+    Under systemd the socket is connected to only while systemd says the service runs (or
+    a process holds the lock): a connection to a socket unit that only listens would start
+    a holder (socket activation) just to be told it is there."""
+    if socket is None:
+        return None, None
+    if kind == "systemd":
+        state = _service_state()
+        if state is None:
+            return None, None
+        if state in ("inactive", "failed") and read_lock(socket).state != "held":
+            return None, 0  # systemd runs no holder of the service
+    verdict = holder_verdict(socket, STATUS_TIMEOUT, list_sessions=True)
+    if verdict.state in ("not_running", "dead"):
+        return verdict, 0
+    if verdict.state != "running" or verdict.sessions is None:
+        return verdict, None
+    return verdict, sum(s.state in LIVE_STATES for s in verdict.sessions)
+
+
+def _service_state() -> str | None:
+    """systemd's ActiveState of escrowd.service, None if systemctl cannot say."""
+    argv = ["systemctl", "--user", "show", "--property=ActiveState", "--value",
+            "escrowd.service"]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT,
+                                stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = result.stdout.strip()
+    return state if result.returncode == 0 and state else None
 
 
 def remove(removal: Removal, holds_sessions: bool | None) -> None:

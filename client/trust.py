@@ -115,7 +115,7 @@ def check_peer(sock: socket.socket, socket_path: str) -> int | None:
             f"{who} listening on {socket_path} runs as uid {peer_uid}, expected your own "
             f"uid {uid}: refusing to send it anything"
         )
-    return pid
+    return pid or None  # 0: a listener in an ancestor pid namespace, unnamed here
 
 
 def _readlink(path: str) -> str:

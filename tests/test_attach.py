@@ -30,7 +30,7 @@ import pytest
 from screens import gone, run_tmux, wait_for_screen
 
 from conftest import OWNER, HolderProcess, PtyChild, require_program, spawn_in_pty, wait_for
-from escrow_client import SessionInfo
+from escrow_client import SessionInfo, waiting
 from escrow_client.attach import DetachKey, exit_status, key_name, parse_key
 
 ESCROWCTL = str(Path(sys.executable).with_name("escrowctl"))
@@ -270,6 +270,32 @@ def test_run_detach_and_attach_elsewhere_loses_nothing(
     b.line("kill %1; exit")
     b.wait_text(f"{RUN_OWNER}/a1 has ended")
     assert state(holder, "a1") == "released"
+
+
+def test_a_wait_on_a_stopped_holder_is_not_told_into_the_attached_screen(
+    screens: Screens, holder: HolderProcess
+) -> None:
+    """The holder stopped (SIGSTOP) while attached: the detach's hand-back waits on it,
+    and no "waiting for the holder" line lands on the program's screen, which is the
+    terminal's until escrowctl gives it back."""
+    a = screens.pane("a")
+    a.line(f"escrowctl run --id q1 -- {INNER_BASH}")
+    a.wait_prompt(INNER)
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        a.keys("C-\\")
+        # A notice is due `waiting.AFTER` into the wait: only its absence by well after
+        # then shows it was held off (it shows at once if it comes).
+        due = time.monotonic() + waiting.AFTER + 1.5
+        screen = wait_for_screen(lambda: a.capture(history=True),
+                                 lambda s: "waiting for" in s or time.monotonic() > due,
+                                 "the notice, or the time it is due", TIMEOUT, "the pane a")
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    assert "waiting for the holder" not in screen, screen
+    detached = a.wait_text(f"detached from {RUN_OWNER}/q1", history=True)
+    assert "waiting for the holder" not in detached.split(f"detached from {RUN_OWNER}/q1")[0]
+    wait_for(lambda: state(holder, "q1") == "draining", TIMEOUT, "the holder to drain")
 
 
 WIDE = "w" * 100

@@ -20,12 +20,52 @@ def test_no_holder_says_how_to_start_one(socket_dir: Path) -> None:
     assert result.returncode == 1
     assert f"no holder is listening on {path}" in result.stderr
     assert f"`escrowd --socket {path}`" in result.stderr
-    assert "systemctl --user start escrowd.socket" in result.stderr
+    assert "systemctl" not in result.stderr  # not the socket the service's units use
     assert result.stderr.endswith("(unavailable)\n"), result.stderr
 
     status = escrowctl(path, "status")
     assert status.returncode == 3, status.stdout
     assert f"next      start one with `escrowd --socket {path}`" in status.stdout
+
+
+def test_the_default_socket_names_the_service(socket_dir: Path) -> None:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(socket_dir)}
+    env.pop(paths.SOCKET_ENV, None)
+    result = subprocess.run([sys.executable, "-m", "escrow_client.cli", "list"], env=env,
+                            capture_output=True, text=True, timeout=20,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert f"no holder is listening on {socket_dir}/escrowd/escrowd.sock" in result.stderr
+    assert "`systemctl --user start escrowd.socket`" in result.stderr, result.stderr
+
+
+def test_a_directory_the_holder_would_refuse_is_not_advised_a_start(socket_dir: Path) -> None:
+    """Closed to writes by others, so the client talks to it; open to reads, so no
+    holder would use it (as /run, or a home, 0755): the answer is another directory,
+    never a chmod of this one nor a start that would fail."""
+    directory = socket_dir / "d755"
+    directory.mkdir()
+    os.chmod(directory, 0o755)
+    path = str(directory / "escrowd.sock")
+    for result in (escrowctl(path, "list"), escrowctl(path, "status")):
+        out = result.stdout + result.stderr
+        assert "no holder can start there: use a socket path in a directory you own" in out, out
+        for wrong in ("chmod", "escrowd --socket", "systemctl", "run` starts one"):
+            assert wrong not in out, out
+
+
+def test_a_home_open_to_the_group_is_not_advised_a_chmod(socket_dir: Path) -> None:
+    home = socket_dir / "home"
+    home.mkdir()
+    os.chmod(home, 0o770)
+    env = {**os.environ, "HOME": str(home)}
+    result = subprocess.run([sys.executable, "-m", "escrow_client.cli", "--socket",
+                             str(home / "escrowd.sock"), "list"], env=env,
+                            capture_output=True, text=True, timeout=20,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert "has mode 0770" in result.stderr and "chmod" not in result.stderr, result.stderr
+    assert "it is a shared directory: use a socket path" in result.stderr
 
 
 def test_a_directory_as_the_socket_names_the_socket_inside(socket_dir: Path) -> None:

@@ -23,7 +23,7 @@ from escrow_client.liveness import process_alive, process_start_time
 ESCROWCTL = str(Path(sys.executable).with_name("escrowctl"))
 TIMEOUT = 15.0
 STARTED = re.compile(r"escrowctl: started a holder \(pid (\d+)\) on (\S+); it keeps running "
-                     r"after this session ends; `escrowctl stop` stops it")
+                     r"after this session ends; `escrowctl --socket (\S+) stop` stops it")
 
 
 def run_in_pty(pty_children: Callable[..., PtyChild], socket: str, sid: str,
@@ -64,7 +64,7 @@ def test_run_starts_a_holder_says_so_and_the_holder_outlives_it(
     assert match is not None, out
     pid = int(match.group(1))
     started.append(pid)
-    assert match.group(2) == socket
+    assert match.group(2) == match.group(3) == socket
     assert (f"escrowctl: session escrowctl/first; detach with Ctrl-\\, back with "
             f"escrowctl --socket {socket} attach escrowctl/first") in out
     assert out.index("escrowctl: session") < out.index("ran-ok")  # said before attaching
@@ -103,3 +103,33 @@ def test_run_without_a_terminal_starts_no_holder(socket_dir: Path) -> None:
     assert result.returncode == 1
     assert "needs a terminal" in result.stderr and "started" not in result.stderr
     assert not os.path.exists(socket)
+
+
+def test_run_starts_no_holder_where_it_would_be_refused_or_at_anothers_mercy(
+    socket_dir: Path, pty_children: Callable[..., PtyChild],
+) -> None:
+    """A directory the holder would refuse (0755: closed to writes, open to reads) gets
+    no chmod advice; a missing one is not made under another user's directory, or under
+    one anyone may write to (not sticky): they could rename it away from the holder."""
+    from otheruser import other_user
+
+    user = other_user()
+    d755, d777, theirs = (socket_dir / n for n in ("d755", "d777", "theirs"))
+    for directory, mode in ((d755, 0o755), (d777, 0o777), (theirs, 0o755)):
+        directory.mkdir()
+        os.chmod(directory, mode)
+    os.chown(theirs, user.uid, user.gid)
+    cases = [(str(d755 / "e.sock"), f"socket directory {d755} has mode 0755"),
+             (str(d777 / "new" / "e.sock"), f"{d777}, where the socket directory "
+              f"{d777}/new would be created, has mode 0777"),
+             (str(theirs / "new" / "e.sock"), f"{theirs}, where the socket directory "
+              f"{theirs}/new would be created, is owned by uid {user.uid}")]
+    for socket, reason in cases:
+        _, finish = run_in_pty(pty_children, socket, "x", "echo ran-ok")
+        status, out = finish()
+        assert status == 1, out
+        assert f"escrowctl: cannot start a holder there: {reason}" in out, out
+        assert "use a socket path in a directory you own" in out, out
+        assert "chmod" not in out and "ran-ok" not in out, out
+    assert not (d777 / "new").exists() and not (theirs / "new").exists()
+    assert os.listdir(d755) == []

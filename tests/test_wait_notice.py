@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_cli import escrowctl
 
-from conftest import HolderProcess, start_holder
-from escrow_client import EscrowClient, errors, waiting
+from conftest import HolderProcess, require_program, start_holder
+from escrow_client import EscrowClient, cli, errors, waiting
 
 NOTICE = "escrowctl: waiting for the holder"
 
@@ -55,6 +55,21 @@ def test_status_names_the_stopped_holder_not_its_keeper(wedged: HolderProcess) -
     assert result.stderr.count(NOTICE) == 1, result.stderr
 
 
+def test_a_listener_whose_pid_cannot_be_named_is_not_called_pid_0(
+        wedged: HolderProcess) -> None:
+    """From a pid namespace of its own, the kernel names the holder (in an ancestor one)
+    pid 0: that is "not known", and the notice names no pid."""
+    unshare = require_program("unshare")
+    result = subprocess.run(
+        [unshare, "--pid", "--fork", sys.executable, "-m", "escrow_client.cli", "--socket",
+         wedged.socket, "--timeout", "1.6", "list"],
+        capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count(NOTICE) == 1, result.stderr
+    assert f"{NOTICE} on {wedged.socket}" in result.stderr, result.stderr
+    assert "pid 0" not in result.stderr + result.stdout
+
+
 def test_a_library_caller_is_told_nothing(wedged: HolderProcess) -> None:
     code = ("import sys\nfrom escrow_client import EscrowClient, errors\n"
             f"try:\n    EscrowClient('x', socket_path={wedged.socket!r}, timeout=1.5).list()\n"
@@ -69,6 +84,11 @@ def test_a_fast_answer_has_no_notice(holder: HolderProcess) -> None:
         result = escrowctl(holder.socket, *args)
         assert result.returncode == 0, result.stderr
         assert NOTICE not in result.stderr
+
+
+def test_main_in_process_leaves_no_teller_behind(holder: HolderProcess) -> None:
+    assert cli.main(["--socket", holder.socket, "list"]) == 0
+    assert waiting._teller is None
 
 
 def test_nothing_is_told_while_quiet_and_once_after(wedged: HolderProcess,

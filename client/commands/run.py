@@ -61,15 +61,16 @@ def _announce(args: argparse.Namespace, status: HolderStatus, sid: str) -> None:
     """Say, before attaching, whether this call started the holder, and how to come back."""
     from ..autostart import started_here
 
+    socket = ["--socket", args.socket] if args.socket else []
     pid = started_here(status)
     if pid is not None:
+        stop = shlex.join(["escrowctl", *socket, "stop"])
         print(f"escrowctl: started a holder (pid {pid}) on {status.socket}; it keeps running "
-              "after this session ends; `escrowctl stop` stops it", file=sys.stderr)
+              f"after this session ends; `{stop}` stops it", file=sys.stderr)
     name = attach.key_name(args.detach_key)
     key = ("no detach key" if args.detach_key is None
            else "detach with " + (f"Ctrl-{name[1:]}" if name != "^?" else name))
-    back = shlex.join(["escrowctl", *(["--socket", args.socket] if args.socket else []),
-                       "attach", f"{args.owner}/{sid}"])
+    back = shlex.join(["escrowctl", *socket, "attach", f"{args.owner}/{sid}"])
     print(f"escrowctl: session {args.owner}/{sid}; {key}, back with {back}", file=sys.stderr,
           flush=True)
 

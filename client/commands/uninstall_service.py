@@ -9,8 +9,7 @@ import argparse
 import sys
 
 from .. import service_removal
-from ..liveness import STATUS_TIMEOUT, Verdict, holder_verdict, read_lock
-from ..protocol import LIVE_STATES
+from ..liveness import Verdict
 from . import describe
 
 
@@ -22,9 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "launchd: bootout, the plist removed). A file whose text is not what install-service "
         "writes (edited, or not its own) is left, and named. A running holder is not "
         "stopped: stopping it would hang up every terminal no app holds; it is named, with "
-        "its sessions, and `escrowctl stop` stops it. Exit 1 if a file was left or a "
-        "command failed.",
+        "its sessions, and `escrowctl stop` stops it. Nothing is removed while the "
+        "service's holder holds sessions, or while that cannot be told, unless --force: "
+        "without the service a crash of the holder would lose them. Exit 1 if it refused, "
+        "a file was left or a command failed.",
     )
+    p.add_argument("--force", action="store_true",
+                   help="remove the files even though the service's holder holds sessions "
+                   "(or cannot be asked); the holder is still not stopped")
     p.add_argument("--systemd", dest="kind", action="store_const", const="systemd",
                    help="systemd user units (the default on Linux)")
     p.add_argument("--launchd", dest="kind", action="store_const", const="launchd",
@@ -35,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     removal = service_removal.find(args.kind)
     socket = service_removal.socket_of(removal)
-    verdict, held = _holder(socket)
+    verdict, held = service_removal.service_holder(args.kind, socket)
+    if removal.ours and held != 0 and not args.force:
+        _refuse(args.kind, socket or removal.socket_path, verdict, held)
+        return 1
     service_removal.remove(removal, None if held is None else held > 0)
     for line in removal.done:
         print(f"ran {line}")
@@ -65,16 +72,16 @@ def run(args: argparse.Namespace) -> int:
     return 1 if removal.foreign or removal.failed else 0
 
 
-def _holder(socket: str | None) -> tuple[Verdict | None, int | None]:
-    """The verdict on the holder of `socket` (None if none was asked for), and the
-    sessions it holds (None: cannot tell). Connected to only if something holds the lock:
-    a connection to a socket unit's socket would start a holder (socket activation) just
-    to be told it is there."""
-    if socket is None:
-        return None, None
-    if read_lock(socket).state in ("free", "missing"):
-        return None, 0
-    verdict = holder_verdict(socket, STATUS_TIMEOUT, list_sessions=True)
-    if verdict.state != "running" or verdict.sessions is None:
-        return verdict, None
-    return verdict, sum(s.state in LIVE_STATES for s in verdict.sessions)
+def _refuse(kind: str, socket: str | None, verdict: Verdict | None, held: int | None) -> None:
+    if held is None:
+        why = (f"cannot tell whether the service's holder on {socket} holds sessions"
+               + (f" ({verdict.state}: {verdict.reason})" if verdict is not None else ""))
+    else:
+        pid = f" (pid {verdict.pid})" if verdict is not None and verdict.pid else ""
+        why = f"the service's holder{pid} on {socket} holds {held} session(s)"
+    stop = ("`systemctl --user stop escrowd.socket escrowd.service`" if kind == "systemd"
+            else f"`escrowctl --socket {socket} stop --force`")
+    print(f"refused: {why}; without the service a crash of the holder would lose them. "
+          "End them first (`escrowctl release`, `escrowctl kill`), or stop the holder "
+          f"with {stop}, which hangs up every terminal no app holds; then run this again. "
+          "`--force` removes the files anyway. Nothing was removed.", file=sys.stderr)
