@@ -137,14 +137,15 @@ def test_an_apps_custody_is_refused_and_the_app_never_signalled(
             rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{OWNER}/t1")
             assert rc == 1
             assert f"{OWNER}/t1 is held by pid {os.getpid()} (" in out, out
-            assert "an app: it must let go; nothing was changed" in out, out
+            assert "it did not agree to be taken over (an app, or an attach whose session " \
+                "meta had no room); it must let go; nothing was changed" in out, out
 
             # A consent in the meta that names another process (one an app copied, say)
             # is none: the process it names is not signalled either.
             start = liveness.process_start_time(bystander.pid)
             custody.update("t1", meta={takeover.KEY: f"{bystander.pid} {start!r}"})
             rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{OWNER}/t1")
-            assert rc == 1 and "an app: it must let go" in out, out
+            assert rc == 1 and "did not agree to be taken over" in out, out
             after = session(holder, "t1", OWNER)
             assert after is not None and before is not None
             assert (after.state, after.custodian_pid) == ("held", os.getpid())
@@ -221,7 +222,13 @@ def test_a_stray_sigusr1_changes_nothing(
     # requester that is gone.
     gone = subprocess.Popen(["true"])
     gone.wait()
+    info = session(holder, "s1")
+    assert info is not None
+    inside = takeover.consent_terminal(info)
+    assert inside is not None or sys.platform != "linux"
     for note, mode in ((note_for(holder, pid, "other"), 0o600),
+                       *([(note_for(holder, pid, "s1", by_terminals=[list(inside)]), 0o600)]
+                         if inside else []),
                        (note_for(holder, pid, "s1"), 0o644),
                        (note_for(holder, pid, "s1", expires=time.time() - 1), 0o600),
                        (note_for(holder, pid, "s1", by_pid=gone.pid), 0o600)):
@@ -300,7 +307,7 @@ def test_a_takeover_under_way_and_one_not_let_go_change_nothing(
     assert b"detached from" in child.read_available(until=b"attach again with")
 
 
-def test_an_attachment_in_a_library_caller_puts_its_sigusr1_handler_back() -> None:
+def test_an_attachment_that_cannot_be_taken_over_leaves_sigusr1_alone() -> None:
     def mine(signum: int, frame: FrameType | None) -> None:
         pass
 
@@ -308,12 +315,89 @@ def test_an_attachment_in_a_library_caller_puts_its_sigusr1_handler_back() -> No
     try:
         signals = Signals(None, False)  # type: ignore[arg-type]  (no terminal is written)
         with signals.handled():
-            assert signal.getsignal(signal.SIGUSR1) is not mine
+            assert signal.getsignal(signal.SIGUSR1) is mine
         signals.keyboard_back()
         assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, old)
 
+
+# A library caller attached to a session (argv: socket, owner, id), with a SIGUSR1 handler
+# of its own: it says when the handler runs, and how the attachment ended.
+_LIBRARY_CALLER = """
+import signal, sys
+from escrow_client import EscrowClient, attach
+signal.signal(signal.SIGUSR1, lambda *_: print("mine-ran", flush=True))
+client = EscrowClient(sys.argv[2], socket_path=sys.argv[1])
+ending = attach.attach(client, sys.argv[3], None)
+print("ended:", ending.why, flush=True)
+"""
+
+
+def test_a_library_callers_attachment_does_not_consent_and_keeps_its_sigusr1(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo hi; exec cat"])
+    with holder.client(RUN_OWNER).custody() as custody:
+        custody.deposit("l1", program.master, child_pid=program.pid)
+    app = pty_children([sys.executable, "-c", _LIBRARY_CALLER, holder.socket, RUN_OWNER,
+                        "l1"])
+    wait_for(lambda: (s := session(holder, "l1")) is not None and s.state == "held"
+             and s.custodian_pid == app.pid, TIMEOUT, "the library caller to attach")
+    info = session(holder, "l1")
+    assert info is not None and takeover.KEY not in info.meta
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/l1")
+    assert rc == 1 and "did not agree to be taken over" in out, out
+    os.kill(app.pid, signal.SIGUSR1)  # its own handler runs, even while attached
+    assert b"mine-ran" in app.read_available(until=b"mine-ran")
+    os.kill(app.pid, signal.SIGTERM)
+    assert b"ended: SIGTERM" in app.read_available(until=b"ended: SIGTERM")
+    assert app.proc.wait(TIMEOUT) == 0
+
+
+def _blocked_writing(pid: int) -> bool:
+    """`pid` sleeps in a write to a terminal that takes no more (n_tty_write waits)."""
+    with open(f"/proc/{pid}/wchan") as f:
+        return f.read() == "wait_woken"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/wchan")
+def test_an_attachment_blocked_writing_to_a_frozen_terminal_is_taken_over(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    old = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "f1", "--",
+                        "sh", "-c", "echo re''ady; read x; exec yes"])
+    assert b"ready" in old.read_available(until=b"ready")
+    pid = consenting(holder, "f1")
+    os.write(old.master, b"go\r")  # and its terminal is never read again
+    wait_for(lambda: _blocked_writing(pid), TIMEOUT, "escrowctl to block writing")
+    new = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                        f"{RUN_OWNER}/f1"])
+    assert old.proc.wait(TIMEOUT) == 0
+    consenting(holder, "f1", other_than=pid)
+    info = session(holder, "f1")
+    assert info is not None and info.child_pid is not None
+    os.kill(info.child_pid, signal.SIGKILL)  # `yes`
+    os.kill(new.pid, signal.SIGTERM)  # nobody reads its terminal either
+    assert new.proc.wait(TIMEOUT) == 0
+
+
+def test_attach_d_inside_the_session_itself_is_refused(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "n1", "--",
+                          "sh", "-c", "echo re''ady; exec sh"])
+    assert b"ready" in child.read_available(until=b"ready")
+    pid = consenting(holder, "n1")
+    os.write(child.master, f"{ESCROWCTL} --socket {holder.socket} attach -d "
+             f"{RUN_OWNER}/n1; echo \"rc=$?\"\r".encode())
+    told = child.read_available(until=b"rc=1").decode(errors="replace")
+    assert f"this terminal is {RUN_OWNER}/n1's own" in told, told
+    assert "nothing was changed" in told, told
+    os.write(child.master, b"exec cat\r")
+    still_attached(child, holder, "n1", pid)
+    os.write(child.master, b"\x1c")
+    assert b"detached from" in child.read_available(until=b"attach again with")
 
 def test_two_takeovers_at_once_one_ends_up_with_it_and_the_other_is_told(
     holder: HolderProcess, pty_children: Callable[..., PtyChild]
