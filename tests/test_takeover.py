@@ -39,7 +39,7 @@ from test_attach import (
 from test_attach import Screens as Screens
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
-from escrow_client import SessionInfo, liveness, takeover
+from escrow_client import SessionInfo, liveness, processes, takeover
 from escrow_client.attach_signals import Signals
 
 
@@ -426,3 +426,146 @@ def test_two_takeovers_at_once_one_ends_up_with_it_and_the_other_is_told(
     still_attached(winner, holder, "s4", winner.pid)
     os.write(winner.master, b"\x1c")
     assert b"detached from" in winner.read_available(until=b"attach again with")
+
+
+def test_a_takeover_that_times_out_as_the_old_one_lets_go_retrieves_it(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    holder = make_holder("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
+    old, pid = escrowctl_attached(pty_children, holder, "d1")
+    os.kill(pid, signal.SIGSTOP)
+    notes: list[takeover.Note] = []
+    write, remove, ttyname = takeover._write_note, takeover._remove_note, os.ttyname
+
+    def recorded(path: str, ref: str, note: takeover.Note) -> tuple[int, int]:
+        notes.append(note)
+        return write(path, ref, note)
+
+    def slow_ttyname(fd: int) -> str:
+        time.sleep(0.5)  # a loaded machine, between the start and the note
+        return ttyname(fd)
+
+    def let_go_at_the_deadline(path: str, inode: tuple[int, int] | None) -> None:
+        if inode is not None and path == takeover.note_path(holder.socket, pid):
+            # The old attachment lets go just as the requester gives up.
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: (s := session(holder, "d1")) is not None and s.state != "held",
+                     TIMEOUT, "the old attachment to let go")
+        remove(path, inode)
+
+    monkeypatch.setattr(takeover, "_write_note", recorded)
+    monkeypatch.setattr(takeover, "_remove_note", let_go_at_the_deadline)
+    monkeypatch.setattr(os, "ttyname", slow_ttyname)
+    client = holder.client(RUN_OWNER, timeout=1.5)
+    told: list[str] = []
+    with client.custody() as custody:
+        asked = time.time()
+        with pytest.raises(takeover.errors.CustodyHeld) as held:
+            custody.retrieve("d1", journal=True)
+        started = time.time()
+        got = takeover.take_over(client, custody, "d1", held.value, asked, told.append)
+        os.close(got.fd)
+        info = session(holder, "d1")
+        assert info is not None and (info.state, info.custodian_pid) == ("held", os.getpid())
+    (note,) = notes
+    # The requester's own deadline (the ttyname's half second not added to it).
+    assert note.expires < started + 1.5 + 0.25
+    assert told == [f"escrowctl: waiting for pid {pid} to let go of {RUN_OWNER}/d1 (up to "
+                    "1.5 s)"]
+    assert "escrowctl" not in capfd.readouterr().err  # a library prints nothing itself
+    assert old.proc.wait(TIMEOUT) == 0
+
+
+def test_a_file_at_the_notes_path_that_is_no_note_is_stale_once_old(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    child, pid = escrowctl_attached(pty_children, holder, "e1")
+    path = takeover.note_path(holder.socket, pid)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # killed mid-write
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/e1")
+    assert rc == 1 and f"is being taken over already (see {path})" in out, out
+    still_attached(child, holder, "e1", pid)
+    an_hour_ago = time.time() - 3600
+    os.utime(path, (an_hour_ago, an_hour_ago))
+    new = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                        f"{RUN_OWNER}/e1"])
+    assert child.proc.wait(TIMEOUT) == 0
+    second = consenting(holder, "e1", other_than=pid)
+    assert second == new.pid and not os.path.exists(path)
+    os.write(new.master, b"\x1c")
+    assert b"detached from" in new.read_available(until=b"attach again with")
+
+
+def test_a_note_is_removed_only_if_it_is_the_one_written(tmp_path: Path) -> None:
+    path = str(tmp_path / "takeover-1")
+    Path(path).write_text("")
+    st = os.stat(path)
+    takeover._remove_note(path, (st.st_dev, st.st_ino + 1))  # another's, in its place
+    assert os.path.exists(path)
+    takeover._remove_note(path, (st.st_dev, st.st_ino))
+    assert not os.path.exists(path)
+
+
+def test_signal_if_without_pidfds_still_signals(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pidfds(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")  # ENOSYS: a kernel before 5.3
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds, raising=False)
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not processes.signal_if(target.pid, signal.SIGTERM, lambda: False)
+        assert target.poll() is None
+        assert processes.signal_if(target.pid, signal.SIGTERM, lambda: True)
+        assert target.wait(TIMEOUT) == -signal.SIGTERM
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_the_wait_for_a_consent_ends_even_if_the_wall_clock_stands_still(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    program = pty_children(["sh", "-c", "exec sleep 60"])
+    client = holder.client(RUN_OWNER)
+    with client.custody() as app, client.custody() as custody:
+        app.deposit("w1", program.master, child_pid=program.pid)
+        asked = time.time()
+        with pytest.raises(takeover.errors.CustodyHeld) as held:
+            custody.retrieve("w1", journal=True)
+        info = session(holder, "w1")
+        assert info is not None
+        now = info.state_since  # stepped back to the moment it was taken, and stopped
+        monkeypatch.setattr(takeover.time, "time", lambda: now)
+        started = time.monotonic()
+        with pytest.raises(takeover.errors.CustodyHeld, match="did not agree"):
+            takeover.take_over(client, custody, "w1", held.value, asked)
+        assert time.monotonic() - started < TIMEOUT
+        monkeypatch.undo()
+        app.release("w1")
+
+
+def test_after_takeovers_the_holder_has_no_more_fds_and_the_meta_is_as_deposited(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo hi; exec cat"])
+    meta = {"cwd": "/somewhere", "title": "t"}
+    with holder.client(RUN_OWNER).custody() as custody:
+        custody.deposit("m1", program.master, child_pid=program.pid, meta=meta)
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", f"{RUN_OWNER}/m1"])
+    pid = consenting(holder, "m1")
+    fds = holder.fd_count()
+    new = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                        f"{RUN_OWNER}/m1"])
+    assert child.proc.wait(TIMEOUT) == 0
+    child, pid = new, consenting(holder, "m1", other_than=pid)
+    wait_for(lambda: holder.fd_count() == fds, TIMEOUT,
+             f"the holder's fds back to {fds} (now {holder.fd_count()})")
+    os.write(child.master, b"\x1c")
+    assert b"detached from" in child.read_available(until=b"attach again with")
+    wait_for(lambda: (s := session(holder, "m1")) is not None and s.state == "draining",
+             TIMEOUT, "the holder to drain it again")
+    info = session(holder, "m1")
+    assert info is not None and info.meta == meta
