@@ -41,28 +41,23 @@ new one attaches once the session drains again.
              `attach -d` at once: one of them creates the note, and the other is told
              who is taking the session over.
 
-The requester removes its note when it is done, whatever happened (that very file: the
-inode it linked); a note left by one that was killed is stale once expired or once its
-writer is proven gone, and is replaced; so is a file there that is no note, once a few
-seconds old.
+The note itself, written whole and removed only by its writer or once stale:
+client/takeover_note.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import signal
-import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import FrameType
 
-from . import errors, liveness, platform, processes, protocol
+from . import errors, liveness, platform, processes, protocol, takeover_note
 from .custody import Custody
 from .retrieved import Retrieved
+from .takeover_note import Note, note_path
 
 TYPE_CHECKING = False  # mypy takes any TYPE_CHECKING as true
 if TYPE_CHECKING:
@@ -72,9 +67,7 @@ KEY = "escrowctl.attach"  # in a session's meta: "PID START_TIME [DEV RDEV]", th
 SIGNAL = signal.SIGUSR1
 SAY_AFTER = 1.0
 _POLL = 0.05
-_NOTE_BYTES = 4096
 _MAX_META = 32  # entries in a meta (PROTOCOL.md §7)
-_NO_NOTE_STALE = 5.0  # seconds: a file at a note's path that is no note, left by a crash
 
 Terminal = tuple[int, int]  # a terminal's device: (st_dev, st_rdev) of its pts
 
@@ -169,7 +162,7 @@ class Consent:
         or None (a stray signal, or none that can be believed)."""
         if self._start is None or not self.custody.protected:
             return None  # letting go now could leave nobody with the terminal
-        note = _read_note(self._note)
+        note = takeover_note.read(self._note)
         if note is None or (note.owner, note.id, note.for_pid) != (
                 self._owner, self.session_id, os.getpid()) \
                 or abs(note.for_start - self._start) >= 1e-3 or note.expires <= time.time() \
@@ -207,10 +200,6 @@ def consent_terminal(info: protocol.SessionInfo) -> Terminal | None:
         return int(dev), int(rdev)
     except ValueError:
         return None
-
-
-def note_path(socket_path: str, pid: int) -> str:
-    return os.path.join(os.path.dirname(socket_path), f"takeover-{pid}")
 
 
 def held_by(client: EscrowClient, session_id: str, exc: errors.CustodyHeld,
@@ -279,10 +268,10 @@ def take_over(client: EscrowClient, custody: Custody, session_id: str,
         tty = os.ttyname(0)
     except OSError:
         tty = "no terminal"
-    mine = _write_note(path, ref, Note(client.owner, session_id, pid, start, os.getpid(),
-                                       liveness.process_start_time(os.getpid()), tty,
-                                       started_at + deadline,
-                                       [list(t) for t in terminals]))
+    note = Note(client.owner, session_id, pid, start, os.getpid(),
+                liveness.process_start_time(os.getpid()), tty, started_at + deadline,
+                [list(t) for t in terminals])
+    mine = takeover_note.write(path, ref, note)
     try:
         if not processes.signal_if(pid, SIGNAL, lambda: _still_consenting(client, session_id,
                                                                         custodian)):
@@ -306,7 +295,7 @@ def take_over(client: EscrowClient, custody: Custody, session_id: str,
                 said = True
             time.sleep(_POLL)
     finally:
-        _remove_note(path, mine)
+        takeover_note.remove(path, mine)
     # The note is gone and expired: whatever read it in time may just have let go.
     info = _session(client, session_id)
     if info is not None and info.state == "held" and info.custodian_pid == pid:
@@ -337,133 +326,3 @@ def _session(client: EscrowClient, session_id: str) -> protocol.SessionInfo | No
         return next((s for s in client.list() if s.id == session_id), None)
     except errors.EscrowError:
         return None
-
-
-# --- the note ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Note:
-    """A takeover request, as written: for whom (the session, the attachment's pid and
-    start time) and by whom (pid, start time, terminal's name and the terminals of its
-    stdin, stdout and stderr as [st_dev, st_rdev]), until when (Unix time)."""
-
-    owner: str
-    id: str
-    for_pid: int
-    for_start: float
-    by_pid: int
-    by_start: float | None
-    by_tty: str
-    expires: float
-    by_terminals: list[list[int]] = dataclasses.field(default_factory=list)
-
-    def stale(self) -> bool:
-        """Positive proof that its takeover is over: expired, or its writer gone."""
-        return self.expires <= time.time() \
-            or liveness.process_alive(self.by_pid, self.by_start) is False
-
-
-_Inode = tuple[int, int]  # (st_dev, st_ino): this very file
-
-
-def _write_note(path: str, ref: str, note: Note) -> _Inode:
-    """Put the note at `path`, whole (written to a file of this process's own, then
-    linked: never replacing one); Busy if another takeover's note is there and not
-    stale. The note's inode, for `_remove_note`."""
-    body = json.dumps(dataclasses.asdict(note)).encode()
-    temp = f"{path}.{os.getpid()}.new"
-    try:
-        _remove_note(temp, None)  # left by a process killed here that had this pid
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise errors.EscrowError(f"cannot ask for {ref}: {temp}: {exc.strerror}") from None
-    try:
-        try:
-            os.write(fd, body)
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        for _ in range(2):
-            try:
-                os.link(temp, path, follow_symlinks=False)
-                return st.st_dev, st.st_ino
-            except FileExistsError:
-                found = _read(path)
-                other = found[0] if found else None
-                if found is not None and _stale(*found):
-                    _remove_note(path, found[1])
-                    continue
-                by = f" by pid {other.by_pid}" if other is not None else f" (see {path})"
-                raise errors.Busy(f"{ref} is being taken over already{by}; nothing was "
-                                  "changed", note.id) from None
-            except OSError as exc:
-                raise errors.EscrowError(f"cannot ask for {ref}: {path}: "
-                                         f"{exc.strerror}") from None
-        raise errors.Busy(f"{ref} is being taken over already; nothing was changed",
-                          note.id)
-    finally:
-        _remove_note(temp, None)
-
-
-def _stale(note: Note | None, inode: _Inode, mtime: float) -> bool:
-    if note is None:  # a requester killed mid-write (before notes were linked whole)
-        return time.time() - mtime > _NO_NOTE_STALE
-    return note.stale()
-
-
-def _read_note(path: str) -> Note | None:
-    found = _read(path)
-    return found[0] if found else None
-
-
-def _read(path: str) -> tuple[Note | None, _Inode, float] | None:
-    """What is at `path`, if it is a file this user wrote for nobody else to read: a
-    regular file (not followed if a link), owned by this uid, mode 0600 or less; with
-    the Note in it if it has every field of one, of its type; its inode and mtime."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() \
-                or st.st_mode & 0o077:
-            return None
-        data = os.read(fd, _NOTE_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return _parse(data), (st.st_dev, st.st_ino), st.st_mtime
-
-
-def _parse(data: bytes) -> Note | None:
-    try:
-        fields = json.loads(data)
-        note = Note(**fields)
-    except (ValueError, TypeError):
-        return None
-    types: dict[str, type | tuple[type, ...]] = {
-        "owner": str, "id": str, "for_pid": int, "for_start": float, "by_pid": int,
-        "by_start": (float, type(None)), "by_tty": str, "expires": float,
-        "by_terminals": list}
-    if not all(isinstance(getattr(note, k), t) for k, t in types.items()) \
-            or not 0 < note.by_pid < 1 << 31 or not 0 < note.for_pid < 1 << 31 \
-            or not all(isinstance(t, list) and len(t) == 2
-                       and all(isinstance(n, int) for n in t) for t in note.by_terminals):
-        return None
-    return note
-
-
-def _remove_note(path: str, inode: _Inode | None) -> None:
-    """Remove the file at `path` (only if it is still `inode`, when given)."""
-    try:
-        if inode is not None:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) != inode:
-                return
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -39,7 +39,7 @@ from test_attach import (
 from test_attach import Screens as Screens
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
-from escrow_client import SessionInfo, liveness, processes, takeover
+from escrow_client import SessionInfo, liveness, processes, takeover, takeover_note
 from escrow_client.attach_signals import Signals
 
 
@@ -436,7 +436,7 @@ def test_a_takeover_that_times_out_as_the_old_one_lets_go_retrieves_it(
     old, pid = escrowctl_attached(pty_children, holder, "d1")
     os.kill(pid, signal.SIGSTOP)
     notes: list[takeover.Note] = []
-    write, remove, ttyname = takeover._write_note, takeover._remove_note, os.ttyname
+    write, remove, ttyname = takeover_note.write, takeover_note.remove, os.ttyname
 
     def recorded(path: str, ref: str, note: takeover.Note) -> tuple[int, int]:
         notes.append(note)
@@ -455,8 +455,8 @@ def test_a_takeover_that_times_out_as_the_old_one_lets_go_retrieves_it(
                      TIMEOUT, "the old attachment to let go")
         remove(path, inode)
 
-    monkeypatch.setattr(takeover, "_write_note", recorded)
-    monkeypatch.setattr(takeover, "_remove_note", let_go_at_the_deadline)
+    monkeypatch.setattr(takeover_note, "write", recorded)
+    monkeypatch.setattr(takeover_note, "remove", let_go_at_the_deadline)
     monkeypatch.setattr(os, "ttyname", slow_ttyname)
     client = holder.client(RUN_OWNER, timeout=1.5)
     told: list[str] = []
@@ -502,9 +502,9 @@ def test_a_note_is_removed_only_if_it_is_the_one_written(tmp_path: Path) -> None
     path = str(tmp_path / "takeover-1")
     Path(path).write_text("")
     st = os.stat(path)
-    takeover._remove_note(path, (st.st_dev, st.st_ino + 1))  # another's, in its place
+    takeover_note.remove(path, (st.st_dev, st.st_ino + 1))  # another's, in its place
     assert os.path.exists(path)
-    takeover._remove_note(path, (st.st_dev, st.st_ino))
+    takeover_note.remove(path, (st.st_dev, st.st_ino))
     assert not os.path.exists(path)
 
 
