@@ -569,3 +569,20 @@ def test_after_takeovers_the_holder_has_no_more_fds_and_the_meta_is_as_deposited
              TIMEOUT, "the holder to drain it again")
     info = session(holder, "m1")
     assert info is not None and info.meta == meta
+
+
+def test_an_attach_whose_meta_has_no_room_to_consent_is_not_called_an_app(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo hi; exec cat"])
+    with holder.client(RUN_OWNER).custody() as custody:
+        custody.deposit("r1", program.master, child_pid=program.pid,
+                        meta={f"k{i}": "v" for i in range(32)})
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", f"{RUN_OWNER}/r1"])
+    wait_for(lambda: (s := session(holder, "r1")) is not None and s.state == "held"
+             and s.custodian_pid == child.pid, TIMEOUT, "escrowctl to attach")
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/r1")
+    assert rc == 1, out
+    assert "it did not agree to be taken over (an app, or an attach whose session meta had " \
+        "no room)" in out, out
+    still_attached(child, holder, "r1", child.pid)
