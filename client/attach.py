@@ -46,11 +46,12 @@ import subprocess
 import termios
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from . import errors, protocol, takeover, waiting
+from . import errors, protocol, waiting
+from . import takeover as takeovers
 from .after_replay import after_replay
 from .attach_signals import DETACHING, Interrupted, Signals
 from .client import EscrowClient
@@ -100,7 +101,7 @@ class Attachment:
 
     def __init__(self, custody: Custody, session_id: str, master: int, terminal: LocalTerminal,
                  keys: DetachKey, child: subprocess.Popen[bytes] | None = None,
-                 exiting: bool = False, consent: takeover.Consent | None = None) -> None:
+                 exiting: bool = False, consent: takeovers.Consent | None = None) -> None:
         self.custody = custody
         self.session_id = session_id
         self.master = master
@@ -111,7 +112,8 @@ class Attachment:
         # signal stay ignored until then (client/attach_signals.py says why).
         self.exiting = exiting
         self.consent = consent  # to be taken over by `escrowctl attach -d`
-        self._signals = Signals(terminal, child is not None)
+        self._signals = Signals(terminal, child is not None,
+                                consent.asked if consent is not None else None)
         self._size = (0, 0)  # the session's, as last set
         self._replies = Replies(None)  # what the local terminal answers, kept from the program
 
@@ -145,8 +147,8 @@ class Attachment:
             except TerminalGone as exc:
                 ending = Ending(True, f"the terminal went away: {exc}")
             except Interrupted as exc:
-                ending = Ending(True, f"{DETACHING[exc.signum]}, while the terminal was "
-                                "not taking output", stalled=True)
+                ending = Ending(True, f"{exc.why}, while the terminal was not taking output",
+                                stalled=True)
             if not ending.detached:
                 self.custody.release(self.session_id)
         finally:
@@ -262,7 +264,7 @@ class Attachment:
         for signum in pending:
             if signum in DETACHING:
                 return Ending(True, DETACHING[signum])
-            if signum == takeover.SIGNAL and self.consent is not None \
+            if signum == takeovers.SIGNAL and self.consent is not None \
                     and (why := self.consent.asked()) is not None:
                 return Ending(True, why)
             if signum == signal.SIGCHLD and self.child is not None \
@@ -301,11 +303,15 @@ class Attachment:
 
 
 def attach(client: EscrowClient, session_id: str, detach_key: int | None,
-           exiting: bool = False, steal: bool = False) -> Ending:
+           exiting: bool = False, steal: bool = False, takeover: bool = False,
+           on_wait: Callable[[str], None] | None = None) -> Ending:
     """`escrowctl attach`: retrieve `session_id` into custody (with its journal) and
     attach it to this process's terminal until it detaches or ends. With `steal`
     (`attach -d`), an attach elsewhere that holds it is asked to let go first
-    (client/takeover.py); this attachment can be taken over likewise.
+    (client/takeover.py), and `on_wait` told, once, if that takes a while. With
+    `takeover`, this attachment can be taken over likewise: only for a process that
+    handles SIGUSR1 for its whole life (escrowctl: `takeover.catch_stray`), since a
+    request may come just as the attachment ends; without, SIGUSR1 is left alone.
 
     Error handling: a session held by a custodian (an app, another attach not `steal`
     asked to let go) raises CustodyHeld naming the custodian's pid, and changes nothing;
@@ -320,12 +326,13 @@ def attach(client: EscrowClient, session_id: str, detach_key: int | None,
             got = custody.retrieve(session_id, journal=True)
         except errors.CustodyHeld as exc:
             if not steal:
-                raise takeover.held_by(client, session_id, exc, steal) from None
-            got = takeover.take_over(client, custody, session_id, exc, asked)
+                raise takeovers.held_by(client, session_id, exc, steal) from None
+            got = takeovers.take_over(client, custody, session_id, exc, asked, on_wait)
     except BaseException:
         custody.close()
         raise
-    consent = takeover.Consent(custody, client, session_id, got.session.meta)
+    consent = takeovers.Consent(custody, client, session_id, got.session.meta,
+                                got.fd) if takeover else None
     ending = Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
                         exiting=exiting, consent=consent).run(got.replay)
     if ending.detached or not got.session.started:
@@ -334,9 +341,10 @@ def attach(client: EscrowClient, session_id: str, detach_key: int | None,
 
 
 def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
-        detach_key: int | None, exiting: bool = False) -> Ending:
+        detach_key: int | None, exiting: bool = False, takeover: bool = False) -> Ending:
     """`escrowctl run`: start `argv` in a new PTY the size of this process's terminal,
-    escrowed in custody (with a journal) as `session_id`, and attach it.
+    escrowed in custody (with a journal) as `session_id`, and attach it; `takeover` as
+    for `attach`.
 
     The holder starts the program (escrow_client.run_start), so that its exit status is
     known whenever it ends, attached or not; a holder too old for that gets today's way:
@@ -355,7 +363,8 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
     try:
         if not run_start.can_start(custody):
             custody.close()
-            return _run_here(client, argv, session_id, label, detach_key, exiting, terminal)
+            return _run_here(client, argv, session_id, label, detach_key, exiting, terminal,
+                             takeover)
         got = run_start.start(custody, session_id, argv, label=label, cols=cols, rows=rows,
                               journal=True, modes_of=terminal.in_fd)
     except (errors.ExecFailed, errors.CwdGone) as exc:
@@ -368,7 +377,9 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
         raise
     attachment = Attachment(custody, session_id, got.fd, terminal, DetachKey(detach_key),
                             exiting=exiting,
-                            consent=takeover.Consent(custody, client, session_id, got.session.meta))
+                            consent=takeovers.Consent(custody, client, session_id,
+                                                      got.session.meta, got.fd)
+                            if takeover else None)
     ending = attachment.run(first=got.replay)
     if ending.detached:
         return ending
@@ -404,7 +415,8 @@ def _how_it_ended(client: EscrowClient, session_id: str) -> str:
 
 
 def _run_here(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
-              detach_key: int | None, exiting: bool, terminal: LocalTerminal) -> Ending:
+              detach_key: int | None, exiting: bool, terminal: LocalTerminal,
+              takeover: bool) -> Ending:
     """`run` for a holder that does not start programs: this process starts it."""
     rows, cols = terminal.size()
     master, child = spawn(argv, rows, cols, terminal.in_fd)
@@ -422,5 +434,6 @@ def _run_here(client: EscrowClient, argv: Sequence[str], session_id: str, label:
         raise
     return Attachment(custody, session_id, master, terminal, DetachKey(detach_key),
                       child, exiting=exiting,
-                      consent=takeover.Consent(custody, client, session_id, {})).run()
+                      consent=takeovers.Consent(custody, client, session_id, {}, master)
+                      if takeover else None).run()
 

@@ -9,7 +9,13 @@ select see it, so that none is missed between a check and the wait.
 Once only does a handler do more: a write to a local terminal that does not read (a dropped
 ssh link, a frozen emulator) would block for ever, and nothing but SIGKILL would end
 escrowctl. A detaching signal during a write (`interruptible`) leaves it: the handler marks
-the terminal stalled (nothing more is written to it) and raises `Interrupted`.
+the terminal stalled (nothing more is written to it) and raises `Interrupted`. So does a
+takeover that can be believed (`taken()` says why, client/takeover.py): a frozen terminal
+is what `escrowctl attach -d` is for.
+
+SIGUSR1 is handled only by an attachment that can be taken over (`taken` given): a library
+caller's attachment leaves it alone entirely, so that its own handler (faulthandler's,
+say) is never replaced, not even for a moment.
 
 The keys that signal (Ctrl-C, Ctrl-\\, Ctrl-Z: `KEYBOARD`) do so again from the moment the
 terminal gets its modes back, before custody has ended and escrowctl has said how the
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -40,11 +46,12 @@ KEYBOARD: tuple[int, ...] = (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP)
 
 
 class Interrupted(Exception):
-    """A detaching signal came while a write to the local terminal was blocked."""
+    """A detaching signal, or a takeover, came while a write to the local terminal was
+    blocked; `why` says which."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(signum, why)
+        self.signum, self.why = signum, why
 
 
 class Signals:
@@ -52,10 +59,13 @@ class Signals:
     and the wake-up fd (`wake_fd`), and puts back what it found on leaving, but for the
     `KEYBOARD` signals, which it leaves ignored until `keyboard_back()`."""
 
-    def __init__(self, terminal: LocalTerminal, child: bool) -> None:
+    def __init__(self, terminal: LocalTerminal, child: bool,
+                 taken: Callable[[], str | None] | None = None) -> None:
         self.terminal = terminal
-        # SIGUSR1: a takeover, perhaps (client/takeover.py checks it is one).
-        self._wanted = [signal.SIGWINCH, signal.SIGUSR1, *DETACHING]
+        self._taken = taken
+        self._wanted = [signal.SIGWINCH, *DETACHING]
+        if taken is not None:  # SIGUSR1: a takeover, perhaps (`taken` checks it is one)
+            self._wanted.append(signal.SIGUSR1)
         if child:
             self._wanted.append(signal.SIGCHLD)
         self._noted: list[int] = []
@@ -102,7 +112,8 @@ class Signals:
 
     @contextmanager
     def interruptible(self) -> Iterator[None]:
-        """Around a write to the local terminal: a detaching signal leaves it."""
+        """Around a write to the local terminal: a detaching signal, or a believed
+        takeover, leaves it."""
         self._writing = True
         try:
             yield
@@ -111,8 +122,13 @@ class Signals:
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self._noted.append(signum)
-        if self._writing and signum in DETACHING:
+        if not self._writing:
+            return
+        why = DETACHING.get(signum)
+        if why is None and signum == signal.SIGUSR1 and self._taken is not None:
+            why = self._taken()
+        if why is not None:
             # Blocked writing to a terminal that does not read (a dropped ssh link, a
             # frozen emulator): leave the write, or nothing but SIGKILL would end this.
             self.terminal.stalled = True
-            raise Interrupted(signum)
+            raise Interrupted(signum, why)

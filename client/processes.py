@@ -62,21 +62,25 @@ def process_parent(pid: int) -> int:
 def signal_if(pid: int, signum: int, still_it: Callable[[], bool]) -> bool:
     """Send `signum` to `pid` if `still_it()` says it is still the process meant, asked once
     a handle on the process is held (Linux: a pidfd), so that a pid reused in between is
-    never signalled. False if nothing was sent."""
+    never signalled. False if nothing was sent. Where there is no pidfd (a kernel before
+    5.3, a seccomp filter that refuses it), as on macOS: `still_it()`, then kill()."""
     if sys.platform == "linux" and hasattr(os, "pidfd_open"):
         try:
             handle = os.pidfd_open(pid)
         except ProcessLookupError:
             return False
-        try:
-            if not still_it():
+        except OSError:
+            handle = -1
+        if handle >= 0:
+            try:
+                if not still_it():
+                    return False
+                signal.pidfd_send_signal(handle, signum)
+                return True
+            except ProcessLookupError:
                 return False
-            signal.pidfd_send_signal(handle, signum)
-            return True
-        except ProcessLookupError:
-            return False
-        finally:
-            os.close(handle)
+            finally:
+                os.close(handle)
     if not still_it():
         return False
     try:

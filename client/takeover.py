@@ -3,63 +3,73 @@
 attachment that holds the session is asked to let go, lets go as on the detach key, and the
 new one attaches once the session drains again.
 
-    consent  the attachment says, in its session's `meta` (`KEY`: its pid and start time),
-             that it can be taken over; only once its handler for the request is installed,
-             and it takes the entry back before it lets go (`Consent.given`). An app never
-             says so: its sessions are refused, and the app named. A consent is believed only
-             while the session is `held` by that very pid (`custodian_pid`), that pid is the
-             process that started then, and it runs as this user (`consented`): a stale
-             entry (an attach SIGKILLed), or one an app copied with the meta, is none.
+    consent  the attachment says, in its session's `meta` (`KEY`: its pid, start time and,
+             where the platform tells it, its session's terminal), that it can be taken
+             over; only once its handler for the request is installed, and it takes the
+             entry back before it lets go (`Consent.given`). Only escrowctl consents
+             (`attach(takeover=True)`): it handles SIGUSR1 for its whole life, so that a
+             request that comes as the attachment ends cannot kill it; a library caller
+             never does. An app never says so, nor an attach whose session's meta has no
+             room for the entry: their sessions are refused, and the custodian named. A
+             consent is believed only while the session is `held` by that very pid
+             (`custodian_pid`), that pid is the process that started then, and it runs
+             as this user (`consented`): a stale entry (an attach SIGKILLed), or one an
+             app copied with the meta, is none.
     request  a note in the holder's socket directory (the user's own, 0700: the client
              checked it before it connected), `takeover-<pid>` for the attachment asked,
              created 0600 and exclusively, naming the session, who asks (pid, start time,
-             terminal) and until when; then SIGUSR1 to that pid, through a pidfd where
-             there is one, so that a pid reused meanwhile is not signalled. The attachment
-             acts on SIGUSR1 only if such a note is there, a regular file of this user's
-             open to nobody else, for its session and its own pid, from a requester that
-             still runs, not expired (`Consent.asked`): a stray SIGUSR1 changes nothing.
-             escrowctl catches SIGUSR1 for its whole life (`catch_stray`), so that a stray
-             one never kills it either; a library caller's own handler is put back when
-             its attachment ends (client/attach_signals.py).
+             terminals) and until when (the requester's own deadline); written whole
+             and linked into place, so that nobody reads half a note; then SIGUSR1 to
+             that pid, through a pidfd where there is one, so that a pid reused
+             meanwhile is not signalled. The attachment acts on SIGUSR1 only if such a
+             note is there, a regular file of this user's open to nobody else, for its
+             session and its own pid, from a requester that still runs, not expired,
+             and not typed inside the session itself (`Consent.asked`): a stray SIGUSR1
+             changes nothing. It lets go even while blocked writing to a frozen terminal
+             (client/attach_signals.py). escrowctl catches SIGUSR1 for its whole life
+             (`catch_stray`), so that a stray one never kills it either.
+    itself   an `attach -d` typed inside the session it names would take the session over
+             into itself: refused before anything is sent, when one of its stdin, stdout
+             and stderr is the terminal the consent names (and refused by the attachment
+             too, from the note).
     wait     the new attach watches the session (under the call's timeout, `--timeout`,
              5 s by default; saying so after a second) until it leaves `held`, and
              retrieves it then as any attach does. If the old one does not let go in
-             time, the note goes and the error says so: nothing was changed. Two
+             time, the note goes and the session is looked at once more (it may have let
+             go just then: it is retrieved); if still held, the error says nothing was
+             changed. Two
              `attach -d` at once: one of them creates the note, and the other is told
              who is taking the session over.
 
-The requester removes its note when it is done, whatever happened; a note left by one that
-was killed is stale once expired or once its writer is proven gone, and is replaced.
+The note itself, written whole and removed only by its writer or once stale:
+client/takeover_note.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import signal
-import stat
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import FrameType
 
-from . import errors, liveness, processes, protocol
+from . import errors, liveness, platform, processes, protocol, takeover_note
 from .custody import Custody
 from .retrieved import Retrieved
+from .takeover_note import Note, note_path
 
 TYPE_CHECKING = False  # mypy takes any TYPE_CHECKING as true
 if TYPE_CHECKING:
     from .client import EscrowClient
 
-KEY = "escrowctl.attach"  # in a session's meta: "PID START_TIME", the consent
+KEY = "escrowctl.attach"  # in a session's meta: "PID START_TIME [DEV RDEV]", the consent
 SIGNAL = signal.SIGUSR1
 SAY_AFTER = 1.0
 _POLL = 0.05
-_NOTE_BYTES = 4096
 _MAX_META = 32  # entries in a meta (PROTOCOL.md §7)
+
+Terminal = tuple[int, int]  # a terminal's device: (st_dev, st_rdev) of its pts
 
 
 def catch_stray() -> None:
@@ -77,17 +87,41 @@ def why(by_pid: int, by_tty: str) -> str:
     return f"taken over by escrowctl attach -d (pid {by_pid}, {by_tty})"
 
 
+def _taken_meanwhile(ref: str, session_id: str, by: int | None) -> errors.CustodyHeld:
+    by_whom = f" by pid {by}" if by else ""
+    return errors.CustodyHeld(f"{ref} was taken{by_whom} meanwhile; nothing was changed",
+                              session_id)
+
+
+def my_terminals() -> list[Terminal]:
+    """The terminals this process's stdin, stdout and stderr are."""
+    found: list[Terminal] = []
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd):
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_rdev) not in found:
+                    found.append((st.st_dev, st.st_rdev))
+        except OSError:
+            pass
+    return found
+
+
 class Consent:
     """One attachment's consent to be taken over: the old side. `meta` is the session's,
     as it was when the attachment began, and what it is given back when the consent is
     withdrawn."""
 
     def __init__(self, custody: Custody, client: EscrowClient, session_id: str,
-                 meta: dict[str, str]) -> None:
+                 meta: dict[str, str], master: int) -> None:
         self.custody, self.session_id = custody, session_id
         self._owner, self._note = client.owner, note_path(client.socket_path, os.getpid())
         self._meta = {k: v for k, v in meta.items() if k != KEY}
         self._start: float | None = None
+        try:
+            self._terminal = platform.terminal_identity(master)
+        except OSError:
+            self._terminal = None
 
     @contextmanager
     def given(self) -> Iterator[None]:
@@ -102,7 +136,10 @@ class Consent:
 
     def _give(self) -> None:
         start = liveness.process_start_time(os.getpid())
-        meta = {**self._meta, KEY: f"{os.getpid()} {start!r}"}
+        said = f"{os.getpid()} {start!r}"
+        if self._terminal is not None:
+            said += " {} {}".format(*self._terminal)
+        meta = {**self._meta, KEY: said}
         if start is None or len(meta) > _MAX_META:
             return  # cannot be proven to be this process, or no room: no consent
         try:
@@ -125,12 +162,13 @@ class Consent:
         or None (a stray signal, or none that can be believed)."""
         if self._start is None or not self.custody.protected:
             return None  # letting go now could leave nobody with the terminal
-        note = _read_note(self._note)
+        note = takeover_note.read(self._note)
         if note is None or (note.owner, note.id, note.for_pid) != (
                 self._owner, self.session_id, os.getpid()) \
                 or abs(note.for_start - self._start) >= 1e-3 or note.expires <= time.time() \
-                or liveness.process_alive(note.by_pid, note.by_start) is not True:
-            return None
+                or liveness.process_alive(note.by_pid, note.by_start) is not True \
+                or (self._terminal is not None and list(self._terminal) in note.by_terminals):
+            return None  # (the last: asked from inside its own session)
         return why(note.by_pid, note.by_tty)
 
 
@@ -139,7 +177,7 @@ def consented(info: protocol.SessionInfo) -> tuple[int, float] | None:
     consent can be believed now."""
     pid = info.custodian_pid
     try:
-        said_pid, said_start = info.meta.get(KEY, "").split()
+        said_pid, said_start = info.meta.get(KEY, "").split()[:2]
         start = float(said_start)
         if info.state != "held" or pid is None or int(said_pid) != pid:
             return None
@@ -155,8 +193,13 @@ def consented(info: protocol.SessionInfo) -> tuple[int, float] | None:
     return pid, start
 
 
-def note_path(socket_path: str, pid: int) -> str:
-    return os.path.join(os.path.dirname(socket_path), f"takeover-{pid}")
+def consent_terminal(info: protocol.SessionInfo) -> Terminal | None:
+    """The session's terminal, as its consenting custodian says it (None: not said)."""
+    try:
+        dev, rdev = info.meta.get(KEY, "").split()[2:4]
+        return int(dev), int(rdev)
+    except ValueError:
+        return None
 
 
 def held_by(client: EscrowClient, session_id: str, exc: errors.CustodyHeld,
@@ -172,53 +215,63 @@ def held_by(client: EscrowClient, session_id: str, exc: errors.CustodyHeld,
         return errors.CustodyHeld(f"{who}: it is attached elsewhere, and `escrowctl attach "
                                   "-d` takes it over; nothing was changed", session_id)
     if steal:
-        return errors.CustodyHeld(f"{who}, an app: it must let go; nothing was changed",
-                                  session_id)
+        return errors.CustodyHeld(f"{who}: it did not agree to be taken over (an app, or an "
+                                  "attach whose session meta had no room); it must let go; "
+                                  "nothing was changed", session_id)
     return errors.CustodyHeld(f"{who}: an app shows it, or it is attached elsewhere; "
                               "nothing was changed", session_id)
 
 
 def take_over(client: EscrowClient, custody: Custody, session_id: str,
-              held: errors.CustodyHeld, asked: float) -> Retrieved:
+              held: errors.CustodyHeld, asked: float,
+              on_wait: Callable[[str], None] | None = None) -> Retrieved:
     """Ask the attachment that holds `session_id` to let go, wait for it, and retrieve the
     session into `custody` (with its journal), as `Custody.retrieve` does. `asked`: when
     the retrieve that got `held` was sent (Unix time); a custody taken since is not the
-    one this takeover is for.
+    one this takeover is for. `on_wait` is told, once, when the wait has lasted a second.
 
     Error handling: a custodian that did not consent (an app) raises CustodyHeld naming
-    it, and nothing is sent to it; another takeover of it under way raises Busy; one that
-    does not let go within the client's timeout, or another process that takes the
-    session first (another `attach -d` at the same time), raises CustodyHeld. In each case
-    nothing was changed."""
-    started, deadline = time.monotonic(), client.timeout
+    it, and nothing is sent to it; so does a session whose terminal is this process's
+    own; another takeover of it under way raises Busy; one that does not let go within
+    the client's timeout, or another process that takes the session first (another
+    `attach -d` at the same time), raises CustodyHeld. In each case nothing was
+    changed."""
+    started, started_at, deadline = time.monotonic(), time.time(), client.timeout
     ref = f"{client.owner}/{session_id}"
     info = _session(client, session_id)
     if info is None or info.state != "held":
         return _retrieve(client, custody, session_id)  # it let go meanwhile
     if info.state_since >= asked:  # the same clock: the holder's is this host's
         # Taken since this attach asked (another `attach -d` at the same time): it keeps it.
-        raise errors.CustodyHeld(f"{ref} was taken by pid {info.custodian_pid} meanwhile; "
-                                 "nothing was changed", session_id)
+        raise _taken_meanwhile(ref, session_id, info.custodian_pid)
     custodian = consented(info)
     # Held for under a second: perhaps by an attach that has just taken it and is about
-    # to consent (it does once its handler is installed).
-    while custodian is None and time.time() - info.state_since < SAY_AFTER:
+    # to consent (it does once its handler is installed). Both clocks: the wall clock
+    # may step.
+    while custodian is None and time.time() - info.state_since < SAY_AFTER \
+            and time.monotonic() - started < SAY_AFTER:
         time.sleep(_POLL)
         now = _session(client, session_id)
         if now is None or now.state != "held" or now.custodian_pid != info.custodian_pid:
             return _retrieve(client, custody, session_id)
-        custodian = consented(now)
+        info, custodian = now, consented(now)
     if custodian is None:
         raise held_by(client, session_id, held, steal=True)
+    terminals = my_terminals()
+    if consent_terminal(info) in terminals:
+        raise errors.CustodyHeld(f"this terminal is {ref}'s own: escrowctl attach -d "
+                                 "inside the session would take it over into itself; "
+                                 "nothing was changed", session_id)
     pid, start = custodian
     path = note_path(client.socket_path, pid)
     try:
         tty = os.ttyname(0)
     except OSError:
         tty = "no terminal"
-    _write_note(path, ref, Note(client.owner, session_id, pid, start, os.getpid(),
-                                liveness.process_start_time(os.getpid()), tty,
-                                time.time() + deadline))
+    note = Note(client.owner, session_id, pid, start, os.getpid(),
+                liveness.process_start_time(os.getpid()), tty, started_at + deadline,
+                [list(t) for t in terminals])
+    mine = takeover_note.write(path, ref, note)
     try:
         if not processes.signal_if(pid, SIGNAL, lambda: _still_consenting(client, session_id,
                                                                         custodian)):
@@ -232,21 +285,23 @@ def take_over(client: EscrowClient, custody: Custody, session_id: str,
                 except (errors.CustodyHeld, errors.Busy):
                     info = _session(client, session_id)  # a third came first: whose now?
             if info is not None and info.state == "held" and info.custodian_pid != pid:
-                raise errors.CustodyHeld(
-                    f"{ref} was taken by pid {info.custodian_pid} meanwhile; nothing was "
-                    "changed", session_id)
+                raise _taken_meanwhile(ref, session_id, info.custodian_pid)
             waited = time.monotonic() - started
             if waited >= deadline:
-                raise errors.CustodyHeld(
-                    f"pid {pid}, attached to {ref}, did not let go within {deadline:g} s; "
-                    "nothing was changed", session_id)
-            if not said and waited >= SAY_AFTER:
-                _tell(f"escrowctl: waiting for pid {pid} to let go of {ref} (up to "
-                      f"{deadline:g} s)")
+                break
+            if not said and waited >= SAY_AFTER and on_wait is not None:
+                on_wait(f"escrowctl: waiting for pid {pid} to let go of {ref} (up to "
+                        f"{deadline:g} s)")
                 said = True
             time.sleep(_POLL)
     finally:
-        _remove_note(path)
+        takeover_note.remove(path, mine)
+    # The note is gone and expired: whatever read it in time may just have let go.
+    info = _session(client, session_id)
+    if info is not None and info.state == "held" and info.custodian_pid == pid:
+        raise errors.CustodyHeld(f"pid {pid}, attached to {ref}, did not let go within "
+                                 f"{deadline:g} s; nothing was changed", session_id)
+    return _retrieve(client, custody, session_id)
 
 
 def _retrieve(client: EscrowClient, custody: Custody, session_id: str) -> Retrieved:
@@ -256,9 +311,8 @@ def _retrieve(client: EscrowClient, custody: Custody, session_id: str) -> Retrie
         return custody.retrieve(session_id, journal=True)
     except (errors.CustodyHeld, errors.Busy):
         info = _session(client, session_id)
-        by = f" by pid {info.custodian_pid}" if info and info.custodian_pid else ""
-        raise errors.CustodyHeld(f"{client.owner}/{session_id} was taken{by} meanwhile; "
-                                 "nothing was changed", session_id) from None
+        raise _taken_meanwhile(f"{client.owner}/{session_id}", session_id,
+                               info.custodian_pid if info else None) from None
 
 
 def _still_consenting(client: EscrowClient, session_id: str,
@@ -272,98 +326,3 @@ def _session(client: EscrowClient, session_id: str) -> protocol.SessionInfo | No
         return next((s for s in client.list() if s.id == session_id), None)
     except errors.EscrowError:
         return None
-
-
-# --- the note ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Note:
-    """A takeover request, as written: for whom (the session, the attachment's pid and
-    start time) and by whom (pid, start time, terminal), until when (Unix time)."""
-
-    owner: str
-    id: str
-    for_pid: int
-    for_start: float
-    by_pid: int
-    by_start: float | None
-    by_tty: str
-    expires: float
-
-    def stale(self) -> bool:
-        """Positive proof that its takeover is over: expired, or its writer gone."""
-        return self.expires <= time.time() \
-            or liveness.process_alive(self.by_pid, self.by_start) is False
-
-
-def _write_note(path: str, ref: str, note: Note) -> None:
-    """Create the note at `path`, exclusively; Busy if another takeover's note is there
-    and not stale."""
-    body = json.dumps(dataclasses.asdict(note)).encode()
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            other = _read_note(path)
-            if other is not None and other.stale():
-                _remove_note(path)
-                continue
-            by = f" by pid {other.by_pid}" if other is not None else f" (see {path})"
-            raise errors.Busy(f"{ref} is being taken over already{by}; nothing was changed",
-                              note.id) from None
-        except OSError as exc:
-            raise errors.EscrowError(f"cannot ask for {ref}: {path}: {exc.strerror}") from None
-        try:
-            os.write(fd, body)
-        finally:
-            os.close(fd)
-        return
-    raise errors.Busy(f"{ref} is being taken over already; nothing was changed", note.id)
-
-
-def _read_note(path: str) -> Note | None:
-    """The note at `path` if it is one this user wrote for nobody else to read: a regular
-    file (not followed if a link), owned by this uid, mode 0600 or less, with every field
-    of a Note, of its type."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() \
-                or st.st_mode & 0o077:
-            return None
-        data = os.read(fd, _NOTE_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        fields = json.loads(data)
-        note = Note(**fields)
-    except (ValueError, TypeError):
-        return None
-    types: dict[str, type | tuple[type, ...]] = {
-        "owner": str, "id": str, "for_pid": int, "for_start": float, "by_pid": int,
-        "by_start": (float, type(None)), "by_tty": str, "expires": float}
-    if not all(isinstance(getattr(note, k), t) for k, t in types.items()) \
-            or not 0 < note.by_pid < 1 << 31 or not 0 < note.for_pid < 1 << 31:
-        return None
-    return note
-
-
-def _remove_note(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _tell(text: str) -> None:
-    try:
-        print(text, file=sys.stderr, flush=True)
-    except OSError:
-        pass

@@ -39,7 +39,7 @@ from test_attach import (
 from test_attach import Screens as Screens
 
 from conftest import OWNER, HolderProcess, PtyChild, wait_for
-from escrow_client import SessionInfo, liveness, takeover
+from escrow_client import SessionInfo, liveness, processes, takeover, takeover_note
 from escrow_client.attach_signals import Signals
 
 
@@ -137,14 +137,15 @@ def test_an_apps_custody_is_refused_and_the_app_never_signalled(
             rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{OWNER}/t1")
             assert rc == 1
             assert f"{OWNER}/t1 is held by pid {os.getpid()} (" in out, out
-            assert "an app: it must let go; nothing was changed" in out, out
+            assert "it did not agree to be taken over (an app, or an attach whose session " \
+                "meta had no room); it must let go; nothing was changed" in out, out
 
             # A consent in the meta that names another process (one an app copied, say)
             # is none: the process it names is not signalled either.
             start = liveness.process_start_time(bystander.pid)
             custody.update("t1", meta={takeover.KEY: f"{bystander.pid} {start!r}"})
             rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{OWNER}/t1")
-            assert rc == 1 and "an app: it must let go" in out, out
+            assert rc == 1 and "did not agree to be taken over" in out, out
             after = session(holder, "t1", OWNER)
             assert after is not None and before is not None
             assert (after.state, after.custodian_pid) == ("held", os.getpid())
@@ -221,7 +222,13 @@ def test_a_stray_sigusr1_changes_nothing(
     # requester that is gone.
     gone = subprocess.Popen(["true"])
     gone.wait()
+    info = session(holder, "s1")
+    assert info is not None
+    inside = takeover.consent_terminal(info)
+    assert inside is not None or sys.platform != "linux"
     for note, mode in ((note_for(holder, pid, "other"), 0o600),
+                       *([(note_for(holder, pid, "s1", by_terminals=[list(inside)]), 0o600)]
+                         if inside else []),
                        (note_for(holder, pid, "s1"), 0o644),
                        (note_for(holder, pid, "s1", expires=time.time() - 1), 0o600),
                        (note_for(holder, pid, "s1", by_pid=gone.pid), 0o600)):
@@ -300,7 +307,7 @@ def test_a_takeover_under_way_and_one_not_let_go_change_nothing(
     assert b"detached from" in child.read_available(until=b"attach again with")
 
 
-def test_an_attachment_in_a_library_caller_puts_its_sigusr1_handler_back() -> None:
+def test_an_attachment_that_cannot_be_taken_over_leaves_sigusr1_alone() -> None:
     def mine(signum: int, frame: FrameType | None) -> None:
         pass
 
@@ -308,12 +315,89 @@ def test_an_attachment_in_a_library_caller_puts_its_sigusr1_handler_back() -> No
     try:
         signals = Signals(None, False)  # type: ignore[arg-type]  (no terminal is written)
         with signals.handled():
-            assert signal.getsignal(signal.SIGUSR1) is not mine
+            assert signal.getsignal(signal.SIGUSR1) is mine
         signals.keyboard_back()
         assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, old)
 
+
+# A library caller attached to a session (argv: socket, owner, id), with a SIGUSR1 handler
+# of its own: it says when the handler runs, and how the attachment ended.
+_LIBRARY_CALLER = """
+import signal, sys
+from escrow_client import EscrowClient, attach
+signal.signal(signal.SIGUSR1, lambda *_: print("mine-ran", flush=True))
+client = EscrowClient(sys.argv[2], socket_path=sys.argv[1])
+ending = attach.attach(client, sys.argv[3], None)
+print("ended:", ending.why, flush=True)
+"""
+
+
+def test_a_library_callers_attachment_does_not_consent_and_keeps_its_sigusr1(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo hi; exec cat"])
+    with holder.client(RUN_OWNER).custody() as custody:
+        custody.deposit("l1", program.master, child_pid=program.pid)
+    app = pty_children([sys.executable, "-c", _LIBRARY_CALLER, holder.socket, RUN_OWNER,
+                        "l1"])
+    wait_for(lambda: (s := session(holder, "l1")) is not None and s.state == "held"
+             and s.custodian_pid == app.pid, TIMEOUT, "the library caller to attach")
+    info = session(holder, "l1")
+    assert info is not None and takeover.KEY not in info.meta
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/l1")
+    assert rc == 1 and "did not agree to be taken over" in out, out
+    os.kill(app.pid, signal.SIGUSR1)  # its own handler runs, even while attached
+    assert b"mine-ran" in app.read_available(until=b"mine-ran")
+    os.kill(app.pid, signal.SIGTERM)
+    assert b"ended: SIGTERM" in app.read_available(until=b"ended: SIGTERM")
+    assert app.proc.wait(TIMEOUT) == 0
+
+
+def _blocked_writing(pid: int) -> bool:
+    """`pid` sleeps in a write to a terminal that takes no more (n_tty_write waits)."""
+    with open(f"/proc/{pid}/wchan") as f:
+        return f.read() == "wait_woken"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/wchan")
+def test_an_attachment_blocked_writing_to_a_frozen_terminal_is_taken_over(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    old = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "f1", "--",
+                        "sh", "-c", "echo re''ady; read x; exec yes"])
+    assert b"ready" in old.read_available(until=b"ready")
+    pid = consenting(holder, "f1")
+    os.write(old.master, b"go\r")  # and its terminal is never read again
+    wait_for(lambda: _blocked_writing(pid), TIMEOUT, "escrowctl to block writing")
+    new = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                        f"{RUN_OWNER}/f1"])
+    assert old.proc.wait(TIMEOUT) == 0
+    consenting(holder, "f1", other_than=pid)
+    info = session(holder, "f1")
+    assert info is not None and info.child_pid is not None
+    os.kill(info.child_pid, signal.SIGKILL)  # `yes`
+    os.kill(new.pid, signal.SIGTERM)  # nobody reads its terminal either
+    assert new.proc.wait(TIMEOUT) == 0
+
+
+def test_attach_d_inside_the_session_itself_is_refused(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "run", "--id", "n1", "--",
+                          "sh", "-c", "echo re''ady; exec sh"])
+    assert b"ready" in child.read_available(until=b"ready")
+    pid = consenting(holder, "n1")
+    os.write(child.master, f"{ESCROWCTL} --socket {holder.socket} attach -d "
+             f"{RUN_OWNER}/n1; echo \"rc=$?\"\r".encode())
+    told = child.read_available(until=b"rc=1").decode(errors="replace")
+    assert f"this terminal is {RUN_OWNER}/n1's own" in told, told
+    assert "nothing was changed" in told, told
+    os.write(child.master, b"exec cat\r")
+    still_attached(child, holder, "n1", pid)
+    os.write(child.master, b"\x1c")
+    assert b"detached from" in child.read_available(until=b"attach again with")
 
 def test_two_takeovers_at_once_one_ends_up_with_it_and_the_other_is_told(
     holder: HolderProcess, pty_children: Callable[..., PtyChild]
@@ -342,3 +426,163 @@ def test_two_takeovers_at_once_one_ends_up_with_it_and_the_other_is_told(
     still_attached(winner, holder, "s4", winner.pid)
     os.write(winner.master, b"\x1c")
     assert b"detached from" in winner.read_available(until=b"attach again with")
+
+
+def test_a_takeover_that_times_out_as_the_old_one_lets_go_retrieves_it(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    holder = make_holder("--drain-stop-budget", "0.3", "--send-deadline", "0.3")
+    old, pid = escrowctl_attached(pty_children, holder, "d1")
+    os.kill(pid, signal.SIGSTOP)
+    notes: list[takeover.Note] = []
+    write, remove, ttyname = takeover_note.write, takeover_note.remove, os.ttyname
+
+    def recorded(path: str, ref: str, note: takeover.Note) -> tuple[int, int]:
+        notes.append(note)
+        return write(path, ref, note)
+
+    def slow_ttyname(fd: int) -> str:
+        time.sleep(0.5)  # a loaded machine, between the start and the note
+        return ttyname(fd)
+
+    def let_go_at_the_deadline(path: str, inode: tuple[int, int] | None) -> None:
+        if inode is not None and path == takeover.note_path(holder.socket, pid):
+            # The old attachment lets go just as the requester gives up.
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: (s := session(holder, "d1")) is not None and s.state != "held",
+                     TIMEOUT, "the old attachment to let go")
+        remove(path, inode)
+
+    monkeypatch.setattr(takeover_note, "write", recorded)
+    monkeypatch.setattr(takeover_note, "remove", let_go_at_the_deadline)
+    monkeypatch.setattr(os, "ttyname", slow_ttyname)
+    client = holder.client(RUN_OWNER, timeout=1.5)
+    told: list[str] = []
+    with client.custody() as custody:
+        asked = time.time()
+        with pytest.raises(takeover.errors.CustodyHeld) as held:
+            custody.retrieve("d1", journal=True)
+        started = time.time()
+        got = takeover.take_over(client, custody, "d1", held.value, asked, told.append)
+        os.close(got.fd)
+        info = session(holder, "d1")
+        assert info is not None and (info.state, info.custodian_pid) == ("held", os.getpid())
+    (note,) = notes
+    # The requester's own deadline (the ttyname's half second not added to it).
+    assert note.expires < started + 1.5 + 0.25
+    assert told == [f"escrowctl: waiting for pid {pid} to let go of {RUN_OWNER}/d1 (up to "
+                    "1.5 s)"]
+    assert "escrowctl" not in capfd.readouterr().err  # a library prints nothing itself
+    assert old.proc.wait(TIMEOUT) == 0
+
+
+def test_a_file_at_the_notes_path_that_is_no_note_is_stale_once_old(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    child, pid = escrowctl_attached(pty_children, holder, "e1")
+    path = takeover.note_path(holder.socket, pid)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # killed mid-write
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/e1")
+    assert rc == 1 and f"is being taken over already (see {path})" in out, out
+    still_attached(child, holder, "e1", pid)
+    an_hour_ago = time.time() - 3600
+    os.utime(path, (an_hour_ago, an_hour_ago))
+    new = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                        f"{RUN_OWNER}/e1"])
+    assert child.proc.wait(TIMEOUT) == 0
+    second = consenting(holder, "e1", other_than=pid)
+    assert second == new.pid and not os.path.exists(path)
+    os.write(new.master, b"\x1c")
+    assert b"detached from" in new.read_available(until=b"attach again with")
+
+
+def test_a_note_is_removed_only_if_it_is_the_one_written(tmp_path: Path) -> None:
+    path = str(tmp_path / "takeover-1")
+    Path(path).write_text("")
+    st = os.stat(path)
+    takeover_note.remove(path, (st.st_dev, st.st_ino + 1))  # another's, in its place
+    assert os.path.exists(path)
+    takeover_note.remove(path, (st.st_dev, st.st_ino))
+    assert not os.path.exists(path)
+
+
+def test_signal_if_without_pidfds_still_signals(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pidfds(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")  # ENOSYS: a kernel before 5.3
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds, raising=False)
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not processes.signal_if(target.pid, signal.SIGTERM, lambda: False)
+        assert target.poll() is None
+        assert processes.signal_if(target.pid, signal.SIGTERM, lambda: True)
+        assert target.wait(TIMEOUT) == -signal.SIGTERM
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_the_wait_for_a_consent_ends_even_if_the_wall_clock_stands_still(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    program = pty_children(["sh", "-c", "exec sleep 60"])
+    client = holder.client(RUN_OWNER)
+    with client.custody() as app, client.custody() as custody:
+        app.deposit("w1", program.master, child_pid=program.pid)
+        asked = time.time()
+        with pytest.raises(takeover.errors.CustodyHeld) as held:
+            custody.retrieve("w1", journal=True)
+        info = session(holder, "w1")
+        assert info is not None
+        now = info.state_since  # stepped back to the moment it was taken, and stopped
+        monkeypatch.setattr(takeover.time, "time", lambda: now)
+        started = time.monotonic()
+        with pytest.raises(takeover.errors.CustodyHeld, match="did not agree"):
+            takeover.take_over(client, custody, "w1", held.value, asked)
+        assert time.monotonic() - started < TIMEOUT
+        monkeypatch.undo()
+        app.release("w1")
+
+
+def test_after_takeovers_the_holder_has_no_more_fds_and_the_meta_is_as_deposited(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo hi; exec cat"])
+    meta = {"cwd": "/somewhere", "title": "t"}
+    with holder.client(RUN_OWNER).custody() as custody:
+        custody.deposit("m1", program.master, child_pid=program.pid, meta=meta)
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", f"{RUN_OWNER}/m1"])
+    pid = consenting(holder, "m1")
+    fds = holder.fd_count()
+    new = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", "-d",
+                        f"{RUN_OWNER}/m1"])
+    assert child.proc.wait(TIMEOUT) == 0
+    child, pid = new, consenting(holder, "m1", other_than=pid)
+    wait_for(lambda: holder.fd_count() == fds, TIMEOUT,
+             f"the holder's fds back to {fds} (now {holder.fd_count()})")
+    os.write(child.master, b"\x1c")
+    assert b"detached from" in child.read_available(until=b"attach again with")
+    wait_for(lambda: (s := session(holder, "m1")) is not None and s.state == "draining",
+             TIMEOUT, "the holder to drain it again")
+    info = session(holder, "m1")
+    assert info is not None and info.meta == meta
+
+
+def test_an_attach_whose_meta_has_no_room_to_consent_is_not_called_an_app(
+    holder: HolderProcess, pty_children: Callable[..., PtyChild]
+) -> None:
+    program = pty_children(["sh", "-c", "echo hi; exec cat"])
+    with holder.client(RUN_OWNER).custody() as custody:
+        custody.deposit("r1", program.master, child_pid=program.pid,
+                        meta={f"k{i}": "v" for i in range(32)})
+    child = pty_children([ESCROWCTL, "--socket", holder.socket, "attach", f"{RUN_OWNER}/r1"])
+    wait_for(lambda: (s := session(holder, "r1")) is not None and s.state == "held"
+             and s.custodian_pid == child.pid, TIMEOUT, "escrowctl to attach")
+    rc, out = escrowctl_in_a_pty(pty_children, holder, "attach", "-d", f"{RUN_OWNER}/r1")
+    assert rc == 1, out
+    assert "it did not agree to be taken over (an app, or an attach whose session meta had " \
+        "no room)" in out, out
+    still_attached(child, holder, "r1", child.pid)

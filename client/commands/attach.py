@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     owner, sid = args.session
     takeover.catch_stray()
     ending = attach.attach(client(args, owner), sid, args.detach_key, exiting=True,
-                           steal=args.steal)
+                           steal=args.steal, takeover=True, on_wait=_tell)
     return ended(args, owner, sid, ending)
 
 

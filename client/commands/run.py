@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     takeover.catch_stray()
     try:
         ending = attach.run(client(args, args.owner), command, sid, label, args.detach_key,
-                            exiting=True)
+                            exiting=True, takeover=True)
     except attach.CannotRun as exc:
         raise Failed(str(exc), exc.status) from None
     return ended(args, args.owner, sid, ending)
