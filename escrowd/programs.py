@@ -62,6 +62,7 @@ class _Watched:
 def spawn(request: protocol.Start) -> tuple[int, subprocess.Popen[bytes]]:
     """Start `request.argv` on a new PTY as described above: the master and the process.
     RegistryError with the code to answer if it cannot be started (nothing left open)."""
+    _check_strings(request)
     if not os.path.isabs(request.cwd):
         raise RegistryError("bad_request", f"cwd {request.cwd!r} is not an absolute path")
     try:
@@ -95,9 +96,28 @@ def spawn(request: protocol.Start) -> tuple[int, subprocess.Popen[bytes]]:
             raise RegistryError("cwd_gone", f"cwd {request.cwd}: {exc.strerror}") from None
         raise RegistryError("exec_failed", f"cannot run {request.argv[0]}: "
                             f"{exc.strerror or exc}") from None
+    except subprocess.SubprocessError as exc:  # _in_child failed: nothing was exec'd
+        os.close(master)
+        raise RegistryError("exec_failed", f"cannot run {request.argv[0]}: {exc}") from None
+    except BaseException:
+        os.close(master)
+        raise
     finally:
         os.close(slave)
     return master, child
+
+
+def _check_strings(request: protocol.Start) -> None:
+    """bad_request for what no exec can take: a NUL in cwd, argv or env, a "=" or nothing
+    as a variable's name (os.stat and subprocess would raise ValueError, not OSError)."""
+    if "\0" in request.cwd:
+        raise RegistryError("bad_request", "cwd has a NUL in it")
+    if any("\0" in arg for arg in request.argv):
+        raise RegistryError("bad_request", "an argument has a NUL in it")
+    for name, value in request.env.items():
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise RegistryError("bad_request", f"environment variable {name!r} cannot be "
+                                "passed on (a NUL, or a name empty or with a \"=\")")
 
 
 def _set_modes(fd: int, modes: protocol.Modes) -> None:

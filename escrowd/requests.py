@@ -168,6 +168,10 @@ async def start(holder: Answerer, conn: Connection, request: protocol.Start) -> 
             reason=str(exc))
         await conn.send_error(exc.code, str(exc), request.id)
         return True
+    except BaseException:  # (spawn closed the master it made)
+        if ring is not None:
+            ring.release()
+        raise
     deposit = protocol.Deposit(id=request.id, label=request.label, child_pid=child.pid,
                                cols=request.cols, rows=request.rows, meta=request.meta)
     try:

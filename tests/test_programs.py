@@ -153,6 +153,11 @@ def test_start_refusals_leave_nothing_behind(holder: HolderProcess, tmp_path: Pa
         with client.custody() as custody, pytest.raises(errors.EscrowError) as raised:
             start(custody, str(how.get("sid", f"r-{code}")), argv, cwd=how.get("cwd"))
         assert raised.value.code == code, raised.value
+    nul = {"cwd": (str(tmp_path) + "\0x", None), "env": ("/", {"A": "b\0c"}),
+           "name": ("/", {"A=B": "c"})}
+    for why, (cwd, env) in nul.items():  # each once leaked an fd and dropped the connection
+        with client.custody() as custody, pytest.raises(errors.BadRequest):
+            start(custody, f"nul-{why}", ["true"], cwd=cwd, env=env)
     with client.custody() as custody, pytest.raises(errors.BadRequest):
         start(custody, "huge", ["x"] * (protocol.MAX_ARGS + 1))
     assert {s.id for s in client.list()} == {"other"}
