@@ -240,6 +240,31 @@ def test_a_status_nobody_could_keep_is_unknown(
     assert keeper.log_lines("keeper_orphan_reaped"), "the keeper reaped it all the same"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="macOS has no subreaper: `unknown` there")
+def test_run_whose_program_status_nobody_could_keep_exits_125(
+    make_holder: Callable[..., HolderProcess], pty_children: Callable[..., PtyChild],
+    tmp_path: Path,
+) -> None:
+    """`escrowctl run` attached while its holder dies and the keeper cannot keep the
+    program's status: "unknown" is 125 as for `escrowctl wait`, never 0."""
+    keeper = make_holder(keeper=True)
+    Path(orphans.exits_dir(keeper.socket)).write_text("not a directory\n")
+    go = tmp_path / "go"
+    run = pty_children([*ESCROWCTL, "--socket", keeper.socket, "run", "--id", "lost-run",
+                        "--", *until_file(go, "exit 4")])
+    wait_for(lambda: any(s.id == "lost-run" and s.state == "held"
+                         for s in keeper.client(RUN_OWNER).list()), 10, "run to attach")
+    first = keeper.serving_pid()
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: _serving_other_than(keeper, first), 20, "the keeper's next holder")
+    go.touch()
+    out = b""
+    while chunk := run.read_available(timeout=10):
+        out += chunk
+    assert run.proc.wait(10) == 125, out
+    assert b"how is unknown" in out, out
+
+
 def _serving_other_than(holder: HolderProcess, pid: int) -> bool:
     record = paths.read_pidfile(holder.socket)
     if record is None or record.pid == pid:
