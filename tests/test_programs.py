@@ -265,6 +265,40 @@ def test_run_whose_program_status_nobody_could_keep_exits_125(
     assert b"how is unknown" in out, out
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="macOS has no subreaper: `unknown` there")
+def test_wait_outlives_a_restart_whose_next_holder_answers_late(
+    make_holder: Callable[..., HolderProcess], tmp_path: Path
+) -> None:
+    """The holder dies under a wait and nothing answers for longer than the client's
+    timeout (the keeper is stopped): the wait asks again, and exits with the status."""
+    keeper = make_holder(keeper=True)
+    go = tmp_path / "go"
+    started(keeper, "late-answer", until_file(go, "exit 7"))
+    said = tmp_path / "said"
+    with said.open("wb") as stderr:
+        waiting = subprocess.Popen([*ESCROWCTL, "--socket", keeper.socket, "--timeout",
+                                    "0.5", "wait", f"{OWNER}/late-answer"],
+                                   stdin=subprocess.DEVNULL, stderr=stderr)
+    try:
+        wait_for(lambda: psutil.Process(waiting.pid).net_connections("unix"), 10,
+                 "the wait to be asked")
+        first = keeper.serving_pid()
+        os.kill(keeper.pid, signal.SIGSTOP)
+        try:
+            os.kill(first, signal.SIGKILL)
+            with pytest.raises(subprocess.TimeoutExpired):  # past two of its timeouts
+                waiting.wait(1.5)
+        finally:
+            os.kill(keeper.pid, signal.SIGCONT)
+        wait_for(lambda: _serving_other_than(keeper, first), 20, "the keeper's next holder")
+        go.touch()
+        assert waiting.wait(20) == 7, said.read_text()
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+
+
 def _serving_other_than(holder: HolderProcess, pid: int) -> bool:
     record = paths.read_pidfile(holder.socket)
     if record is None or record.pid == pid:
