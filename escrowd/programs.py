@@ -36,7 +36,6 @@ from typing import Any
 import trio
 
 from escrow_client import processes, protocol
-from escrow_client.liveness import process_start_time
 
 from . import orphans
 from .fdlimit import FD_EXHAUSTION, OUT_OF_FDS
@@ -153,10 +152,10 @@ class Programs:
         self._more = trio.Event()
 
     def track(self, session: Session, child: subprocess.Popen[bytes]) -> None:
-        """Watch the program this holder just started for `session`."""
-        start_time = process_start_time(child.pid)
-        session.started, session.child_start_time = True, start_time
-        self._watched[child.pid] = _Watched(session.key, child.pid, start_time, child)
+        """Watch the program this holder just started for `session` (recorded as started,
+        with its start time, from its first record)."""
+        self._watched[child.pid] = _Watched(session.key, child.pid, session.child_start_time,
+                                            child)
         self._more.set()
 
     def adopt(self, sessions: list[Session]) -> None:
