@@ -83,7 +83,9 @@ def test_run_detached_then_wait_exits_with_the_programs_status(
     row = next(line for line in listed.stdout.splitlines() if f"{RUN_OWNER}/w1 " in line)
     header = listed.stdout.splitlines()[0]
     assert row[header.index("EXIT"):].split()[0] == "3"
-    assert f"{RUN_OWNER}/w1" not in escrowctl(holder, "list").stdout  # ended: --all only
+    assert f"{RUN_OWNER}/w1 " in escrowctl(holder, "list").stdout  # exited: still live
+    holder.client(RUN_OWNER).release("w1")
+    assert f"{RUN_OWNER}/w1 " not in escrowctl(holder, "list").stdout  # a tombstone: --all
     [js] = [s for s in msgspec.json.decode(escrowctl(holder, "list", "--all", "--json").stdout)
             if s["id"] == "w1"]
     assert (js["started"], js["exit_status"]) == (True, {"code": 3})
