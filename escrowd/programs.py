@@ -13,11 +13,12 @@ whatever else runs in this process may have children of its own), polling with W
 a few times a second while any runs. A status is kept in the session's record at once (so
 it survives a restart, escrowd.statefile), or in its tombstone if the session has ended.
 
-A program a stopped holder started is no child of this one: it cannot be waited for. It is
-watched until its pid is gone (a zombie is not gone: its parent has yet to reap it, and a
-pid now another process's start time is), then the status the keeper kept when it reaped
-the orphan (escrowd.orphans) is believed if it names that pid and start time; if there is
-none, nobody can know, and the status is "unknown", never a guess.
+A program a stopped holder started is no child of this one: it is never waited for (its
+pid, once gone, may be one of this holder's own programs). It is watched until its pid is
+gone (a zombie is not gone: its parent has yet to reap it, and a pid now another process's
+start time is), then the status the keeper kept when it reaped the orphan
+(escrowd.orphans) is believed if it names that pid and start time; if there is none,
+nobody can know, and the status is "unknown", never a guess.
 
 `wait` answers once a session's program has ended (`ending`), or at once if it has.
 """
@@ -147,23 +148,25 @@ class Programs:
     def __init__(self, registry: Registry, exits_dir: str | None) -> None:
         self.registry = registry
         self.exits_dir = exits_dir  # where the keeper keeps orphans' statuses
-        self._watched: dict[int, _Watched] = {}
+        # A list, not a map by pid: an adopted program's pid, once gone, may be reused by a
+        # program this holder starts, and each is watched until its own end.
+        self._watched: list[_Watched] = []
         self._ended: dict[Key, trio.Event] = {}
         self._more = trio.Event()
 
     def track(self, session: Session, child: subprocess.Popen[bytes]) -> None:
         """Watch the program this holder just started for `session` (recorded as started,
         with its start time, from its first record)."""
-        self._watched[child.pid] = _Watched(session.key, child.pid, session.child_start_time,
-                                            child)
+        self._watched.append(_Watched(session.key, child.pid, session.child_start_time,
+                                      child))
         self._more.set()
 
     def adopt(self, sessions: list[Session]) -> None:
         """Watch the programs of adopted sessions that had not ended."""
         for session in sessions:
             if session.started and session.exit_status is None and session.child_pid:
-                self._watched[session.child_pid] = _Watched(
-                    session.key, session.child_pid, session.child_start_time, None)
+                self._watched.append(_Watched(session.key, session.child_pid,
+                                              session.child_start_time, None))
         self._more.set()
 
     async def run(self) -> None:
@@ -173,14 +176,14 @@ class Programs:
                 await self._more.wait()
                 self._more = trio.Event()
                 continue
-            for watched in list(self._watched.values()):
+            for watched in list(self._watched):
                 try:
                     ending = self._ending(watched)
                 except Exception as exc:  # one program's trouble is its own
                     log("internal_error", where="programs", pid=watched.pid, error=repr(exc))
                     continue
                 if ending is not None:
-                    del self._watched[watched.pid]
+                    self._watched.remove(watched)
                     self._record(watched, ending)
             await trio.sleep(_POLL)
 
@@ -208,12 +211,8 @@ class Programs:
         if watched.child is not None:
             code = watched.child.poll()
             return None if code is None else _status(code)
-        try:
-            waited, status = os.waitpid(watched.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass  # not ours: the keeper (or whoever reaps orphans here) has it
-        else:
-            return None if waited == 0 else _status(os.waitstatus_to_exitcode(status))
+        # Adopted: never waited for (no child of this process; its pid may be one now, of
+        # another program), only looked at by pid and start time.
         try:
             _, created = processes.process_state(watched.pid)
         except processes.NoSuchProcess:

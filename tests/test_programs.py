@@ -347,7 +347,8 @@ def _ending(exits: Path, pid: int, start_time: float | None) -> object:
     registry.live[session.key] = session  # type: ignore[assignment]
     programs = Programs(registry, str(exits))
     programs.adopt([session])  # type: ignore[list-item]
-    return programs._ending(programs._watched[pid])
+    [watched] = programs._watched
+    return programs._ending(watched)
 
 
 def _kept(pid: int, start_time: float, code: int = 3) -> bytes:
@@ -385,6 +386,23 @@ def test_a_kept_status_is_believed_only_when_it_is_the_programs(tmp_path: Path) 
     with pytest.raises(PermissionError):
         orphans.keep(str(exits), orphans.Kept(pid=pid, start_time=start_time,
                                               status=protocol.ExitStatus(code=3)))
+
+
+def test_an_adopted_pid_that_is_now_another_programs_is_never_waited_for(
+    tmp_path: Path,
+) -> None:
+    """The adopted program's pid is reused by a child of this very process (one the holder
+    started since, say): it is another process (its start time says so), never reaped for
+    the adopted one's status."""
+    child = subprocess.Popen(["sh", "-c", "exit 9"])
+    try:
+        wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 5,
+                 "the child to end, unreaped")
+        start_time = process_start_time(child.pid)
+        assert start_time is not None
+        assert _ending(tmp_path / "exits", child.pid, start_time - 10.0) == "unknown"
+    finally:
+        assert child.wait(5) == 9  # still there to be reaped by its own parent
 
 
 @given(st.binary(max_size=600))
