@@ -159,6 +159,11 @@ class Programs:
         with its start time, from its first record)."""
         self._watched.append(_Watched(session.key, child.pid, session.child_start_time,
                                       child))
+        if self.exits_dir is not None and session.child_start_time is not None:
+            try:
+                orphans.mark(self.exits_dir, child.pid, session.child_start_time)
+            except OSError as exc:  # its status is lost only if the holder dies first
+                log("program_unmarked", session=session.name, pid=child.pid, error=repr(exc))
         self._more.set()
 
     def adopt(self, sessions: list[Session]) -> None:
@@ -184,6 +189,7 @@ class Programs:
                     continue
                 if ending is not None:
                     self._watched.remove(watched)
+                    orphans.unmark(self.exits_dir, watched.pid, watched.start_time)
                     self._record(watched, ending)
             await trio.sleep(_POLL)
 

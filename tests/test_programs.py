@@ -276,20 +276,27 @@ def test_wait_outlives_a_restart_whose_next_holder_answers_late(
     keeper = make_holder(keeper=True)
     go = tmp_path / "go"
     started(keeper, "late-answer", until_file(go, "exit 7"))
+    first = keeper.serving_pid()
+    seen = [keeper.client().status().counters["connections"]]
     said = tmp_path / "said"
     with said.open("wb") as stderr:
         waiting = subprocess.Popen([*ESCROWCTL, "--socket", keeper.socket, "--timeout",
                                     "0.5", "wait", f"{OWNER}/late-answer"],
                                    stdin=subprocess.DEVNULL, stderr=stderr)
     try:
-        wait_for(lambda: psutil.Process(waiting.pid).net_connections("unix"), 10,
-                 "the wait to be asked")
-        first = keeper.serving_pid()
+        def taken() -> bool:
+            """Accepted by the holder, not only queued where the keeper listens too: each
+            look is a connection of its own, the wait one more."""
+            seen.append(keeper.client().status().counters["connections"])
+            return seen[-1] - seen[0] >= len(seen)
+
+        wait_for(taken, 10, "the holder to take the wait")
         os.kill(keeper.pid, signal.SIGSTOP)
         try:
             os.kill(first, signal.SIGKILL)
             with pytest.raises(subprocess.TimeoutExpired):  # past two of its timeouts
-                waiting.wait(1.5)
+                rc = waiting.wait(1.5)
+                pytest.fail(f"wait exited {rc}: {said.read_text()}")
         finally:
             os.kill(keeper.pid, signal.SIGCONT)
         wait_for(lambda: _serving_other_than(keeper, first), 20, "the keeper's next holder")
@@ -299,6 +306,23 @@ def test_wait_outlives_a_restart_whose_next_holder_answers_late(
         if waiting.poll() is None:
             waiting.kill()
             waiting.wait()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="macOS has no subreaper")
+def test_the_keeper_keeps_only_session_programs_statuses(
+    make_holder: Callable[..., HolderProcess],
+) -> None:
+    """Orphans that were no session's program (here a program's own children) are reaped
+    and nothing is kept for them: a burst of them cannot push a program's status out. A
+    program's mark goes once its end is known."""
+    keeper = make_holder(keeper=True)
+    exits = Path(orphans.exits_dir(keeper.socket))
+    started(keeper, "burst", ["sh", "-c", "for i in 1 2 3 4 5 6; do (sleep 0.1 &); done"])
+    assert wait(keeper.client(), "burst", 10) == protocol.ExitStatus(code=0)
+    wait_for(lambda: len(keeper.log_lines("keeper_orphan_reaped")) >= 6, 10,
+             "the keeper to reap the program's children")
+    wait_for(lambda: not exits.exists() or os.listdir(exits) == [], 5,
+             "nothing kept, no mark left")
 
 
 def _serving_other_than(holder: HolderProcess, pid: int) -> bool:
@@ -403,6 +427,20 @@ def test_an_adopted_pid_that_is_now_another_programs_is_never_waited_for(
         assert _ending(tmp_path / "exits", child.pid, start_time - 10.0) == "unknown"
     finally:
         assert child.wait(5) == 9  # still there to be reaped by its own parent
+
+
+def test_a_marked_programs_kept_status_is_never_trimmed(tmp_path: Path) -> None:
+    exits = str(tmp_path / "escrowd.sock.exits")
+    orphans.mark(exits, 4242, 1000.0)
+    orphans.keep(exits, orphans.Kept(pid=4242, start_time=1000.0,
+                                     status=protocol.ExitStatus(code=6)))
+    for pid in range(5000, 5000 + orphans._MAX_KEPT + 5):  # leftovers nobody marked
+        orphans.keep(exits, orphans.Kept(pid=pid, start_time=1.0,
+                                         status=protocol.ExitStatus(code=0)))
+    assert len(os.listdir(exits)) == orphans._MAX_KEPT + 2
+    assert orphans.take(exits, 4242, 1000.0) == protocol.ExitStatus(code=6)
+    orphans.unmark(exits, 4242, 1000.0)
+    assert not orphans.marked(exits, 4242, 1000.0)
 
 
 @given(st.binary(max_size=600))
