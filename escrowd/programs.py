@@ -31,6 +31,7 @@ import signal
 import stat
 import subprocess
 import termios
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,9 @@ def spawn(request: protocol.Start) -> tuple[int, subprocess.Popen[bytes]]:
             termios.tcsetwinsize(slave, (request.rows, request.cols))
         if request.modes is not None:
             _set_modes(slave, request.modes)
+        if threading.active_count() != 1:  # preexec_fn is fork-safe in one thread only
+            log("internal_error", where="programs", threads=threading.active_count(),
+                error="a program is forked with preexec_fn while other threads run")
         child = subprocess.Popen(
             request.argv, stdin=slave, stdout=slave, stderr=slave, cwd=request.cwd,
             env=request.env, close_fds=True, start_new_session=True,
