@@ -163,7 +163,8 @@ def test_start_refusals_leave_nothing_behind(holder: HolderProcess, tmp_path: Pa
     with client.custody() as custody, pytest.raises(errors.BadRequest):
         start(custody, "huge", ["x"] * (protocol.MAX_ARGS + 1))
     assert {s.id for s in client.list()} == {"other"}
-    wait_for(lambda: holder.fd_count() == fds, 5, f"the holder's fds back to {fds}")
+    # (At most: the count before may include a connection the holder had yet to close.)
+    wait_for(lambda: holder.fd_count() <= fds, 5, f"the holder's fds back to {fds}")
     go.touch()
     assert wait(client, "other", 10) == protocol.ExitStatus(code=5)
 
