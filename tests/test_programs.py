@@ -34,6 +34,7 @@ from escrow_client.run_start import start
 from escrowd import orphans
 from escrowd.programs import Programs
 from escrowd.registry import Registry
+from escrowd.session import Session
 from escrowd.statefile import Record, StateFile
 
 ESCROWCTL = [sys.executable, "-m", "escrow_client.cli"]
@@ -442,6 +443,22 @@ def test_a_marked_programs_kept_status_is_never_trimmed(tmp_path: Path) -> None:
     assert orphans.take(exits, 4242, 1000.0) == protocol.ExitStatus(code=6)
     orphans.unmark(exits, 4242, 1000.0)
     assert not orphans.marked(exits, 4242, 1000.0)
+
+
+def test_a_started_programs_first_record_says_started() -> None:
+    """The record a holder that dies at once leaves: adopted, the session is a started
+    program's (its status is waited for), never an app's."""
+    registry = Registry(8, 1 << 16, 1 << 20, 8)
+    master, slave = os.openpty()
+    os.close(slave)
+    session = Session(OWNER, protocol.Deposit(id="first", child_pid=os.getpid()), master,
+                      registry.new_ring(), None, None, 123.0, started=True)
+    try:
+        record = session.ring.state.record()
+        assert record is not None
+        assert (record.started, record.child_start_time) == (True, 123.0)
+    finally:
+        session.close()
 
 
 @given(st.binary(max_size=600))
