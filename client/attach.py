@@ -86,11 +86,14 @@ class Ending:
     """How an attachment ended. `detached`: custody ended, and the holder drains the
     session again; `why` says what detached it. Otherwise the program ended and the
     session was released: `status` is its exit status for `run` (None for `attach`, which
-    cannot know it)."""
+    cannot know it). For `run` with no status: `unknown` if nobody can know it (it was
+    orphaned where no keeper could keep it), else `wait_failed` says why it was not had."""
 
     detached: bool
     why: str
     status: int | None = None
+    unknown: bool = False
+    wait_failed: str | None = None
     stalled: bool = False  # the terminal stopped taking output: write nothing more to it
 
 
@@ -384,19 +387,21 @@ def run(client: EscrowClient, argv: Sequence[str], session_id: str, label: str,
     if ending.detached:
         return ending
     attachment._signals.keyboard_back()  # its end may take long: Ctrl-C ends the wait
-    return Ending(False, ending.why, _shell_status(client, session_id))
+    return _shell_status(client, session_id, ending.why)
 
 
-def _shell_status(client: EscrowClient, session_id: str) -> int | None:
-    """The exit status of a program the holder started, once it has ended, as a shell says
-    it; None if it cannot be known."""
+def _shell_status(client: EscrowClient, session_id: str, why: str) -> Ending:
+    """The end of a program the holder started, once it has ended, with its exit status as
+    a shell says it, or why there is none ("unknown" is never a status)."""
     from .program_wait import wait
 
     try:
         ending = wait(client, session_id)
-    except errors.EscrowError:
-        return None
-    return ending.shell_status() if isinstance(ending, protocol.ExitStatus) else None
+    except errors.EscrowError as exc:
+        return Ending(False, why, wait_failed=str(exc))
+    if not isinstance(ending, protocol.ExitStatus):
+        return Ending(False, why, unknown=True)
+    return Ending(False, why, ending.shell_status())
 
 
 def _how_it_ended(client: EscrowClient, session_id: str) -> str:

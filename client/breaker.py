@@ -77,3 +77,12 @@ def reset(socket_path: str | None = None) -> None:
         else:
             _open.pop(socket_path, None)
             _paid.pop(socket_path, None)
+
+
+def untrip(socket_path: str) -> None:
+    """Take back one timeout that was no wedged holder's (a wait asking after a restarting
+    holder, which answers late while it adopts): the breaker shuts, one fewer paid."""
+    with _lock:
+        _open.pop(socket_path, None)
+        if _paid.get(socket_path, 0) > 0:
+            _paid[socket_path] -= 1

@@ -5,7 +5,9 @@ connection and the handshake keep the client's timeout (the invariant checked at
 handshake holds), and only the answer to `wait` is waited for longer, by polling the
 socket, never by a socket timeout (which would trip the circuit breaker: a program that
 runs on is no holder that hangs). A holder that goes away meanwhile (a restart) is asked
-again on a new connection, until the wait's own deadline.
+again on a new connection, until the wait's own deadline; its successor may be slow to
+answer (it adopts every session first, or the keeper is stopped), so after a drop a late
+answer is asked again too, past the breaker and without leaving it tripped.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import select
 import time
 
-from . import errors, protocol
+from . import breaker, errors, protocol
 from .channel import Deadline
 from .client import EscrowClient
 
@@ -37,12 +39,15 @@ def wait(client: EscrowClient, session_id: str,
     gone_since: float | None = None  # the holder went away under the wait then
     while True:
         try:
-            return _wait_once(client, session_id, until)
-        except errors.HolderUnavailable as exc:
+            return _wait_once(client, session_id, until, gone_since is None)
+        except (errors.HolderUnavailable, errors.HolderUnresponsive) as exc:
             # A holder restarting (a drop): its successor is asked, for a while. Nothing
-            # listening from the start is an error at once.
-            if not exc.dropped and gone_since is None:
+            # listening, or no answer, from the start is an error at once.
+            if gone_since is None and not (isinstance(exc, errors.HolderUnavailable)
+                                           and exc.dropped):
                 raise
+            if isinstance(exc, errors.HolderUnresponsive) and exc.timed_out:
+                breaker.untrip(client.socket_path)
             now = time.monotonic()
             gone_since = now if gone_since is None else gone_since
             if until is not None and now >= until:
@@ -55,9 +60,9 @@ def wait(client: EscrowClient, session_id: str,
             gone_since = None
 
 
-def _wait_once(client: EscrowClient, session_id: str,
-               until: float | None) -> protocol.ExitStatus | str:
-    with client._connect(Deadline(client.timeout)) as channel:
+def _wait_once(client: EscrowClient, session_id: str, until: float | None,
+               use_breaker: bool) -> protocol.ExitStatus | str:
+    with client._connect(Deadline(client.timeout), use_breaker) as channel:
         channel.send(protocol.Wait(id=session_id), Deadline(client.timeout))
         poller = select.poll()
         poller.register(channel.sock, select.POLLIN)

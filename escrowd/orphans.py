@@ -14,8 +14,14 @@ orphan, named by its pid and start time and holding both with the status (msgpac
 holder believes one only if the directory and the file are the user's and no one else's,
 the file is a small regular file that decodes, and its pid and start time are the
 program's (a reused pid started at another time): anything else is not believed, and the
-status is `unknown`. A file taken is removed; at most `_MAX_KEPT` are kept (orphans that
-were no session's program, a grandchild, say, are nobody's to take), the oldest removed.
+status is `unknown`. A file taken is removed.
+
+Only session programs' statuses are kept: the holder marks each program it starts with an
+empty `<pid>-<start time>.watch` there (the same checks: the user's alone, never a link),
+and the keeper keeps the status of a marked orphan only, so a burst of other orphans (a
+grandchild, a daemon's) writes nothing and cannot push a program's status out. The mark
+goes once the program's end is known (reaped by the holder, or its status taken). Past
+`_MAX_KEPT` the oldest unmarked leftovers are removed; a marked one never is.
 
 macOS has no subreaper: there, and under systemd without the keeper (the service
 manager reaps orphans), nobody keeps a status, and it is `unknown`.
@@ -38,6 +44,7 @@ from .log import log
 _MAX_KEPT = 256
 _MAX_FILE = 512  # bytes: a kept status is far smaller
 _SAME_START = 0.05  # as escrow_client.liveness
+_MARK = ".watch"  # a session program's mark, `<pid>-<start time>.watch`
 
 
 class Kept(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -79,7 +86,8 @@ def reap(own: set[int], directory: str) -> None:
             start_time: float | None = processes.process_state(pid)[1]
         except (OSError, ValueError):
             start_time = None
-        if status is not None and start_time is not None:
+        if status is not None and start_time is not None and marked(directory, pid,
+                                                                     start_time):
             try:
                 keep(directory, Kept(pid=pid, start_time=start_time, status=status))
             except OSError as exc:
@@ -113,13 +121,69 @@ def keep(directory: str, kept: Kept) -> None:
     finally:
         os.close(fd)
     os.replace(temporary, name)
-    entries = sorted(os.scandir(directory), key=lambda e: e.stat(follow_symlinks=False).st_mtime)
-    for entry in entries[:-_MAX_KEPT]:
+    marks = {_pid_and_start(e.name[:-len(_MARK)]) for e in os.scandir(directory)
+             if e.name.endswith(_MARK)}
+    leftovers = [e for e in os.scandir(directory)
+                 if not e.name.endswith(_MARK) and _pid_and_start(e.name) not in marks]
+    leftovers.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime)
+    for entry in leftovers[:-_MAX_KEPT]:
         with contextlib.suppress(OSError):
             os.unlink(entry.path)
 
 
+def marked(directory: str, pid: int, start_time: float) -> bool:
+    """Whether the holder marked `pid`, started at `start_time`, as a session's program."""
+    return _mark_of(directory, pid, start_time) is not None
+
+
+def _mark_of(directory: str, pid: int, start_time: float) -> str | None:
+    if not _private(directory, stat.S_ISDIR):
+        return None
+    try:
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(f"{pid}-") and n.endswith(_MARK)]
+    except OSError:
+        return None
+    for name in names:
+        got = _pid_and_start(name[:-len(_MARK)])
+        path = os.path.join(directory, name)
+        if (got is not None and got[0] == pid and abs(got[1] - start_time) < _SAME_START
+                and _private(path, stat.S_ISREG)):
+            return path
+    return None
+
+
+def _pid_and_start(name: str) -> tuple[int, float] | None:
+    """`<pid>-<start time>` as a file is named, or None."""
+    pid, _, start = name.partition("-")
+    try:
+        return int(pid), float(start)
+    except ValueError:
+        return None
+
+
 # --- the holder's side -------------------------------------------------------------------
+
+
+def mark(directory: str, pid: int, start_time: float) -> None:
+    """Mark program `pid`, started at `start_time`, as a session's: its status is kept
+    if it is orphaned. OSError if it cannot be (then nobody will keep it)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    if not _private(directory, stat.S_ISDIR):
+        raise PermissionError(f"{directory} is not this user's alone")
+    name = os.path.join(directory, f"{pid}-{start_time!r}{_MARK}")
+    os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+
+
+def unmark(directory: str | None, pid: int, start_time: float | None) -> None:
+    """The program's end is known: its mark goes (and any status kept for it)."""
+    if directory is None or start_time is None:
+        return
+    path = _mark_of(directory, pid, start_time)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def take(directory: str | None, pid: int, start_time: float | None) -> protocol.ExitStatus | None:
@@ -128,7 +192,8 @@ def take(directory: str | None, pid: int, start_time: float | None) -> protocol.
     if directory is None or start_time is None or not _private(directory, stat.S_ISDIR):
         return None
     try:
-        names = [n for n in os.listdir(directory) if n.startswith(f"{pid}-")]
+        names = [n for n in os.listdir(directory)
+                 if n.startswith(f"{pid}-") and not n.endswith(_MARK)]
     except OSError:
         return None
     for name in names:

@@ -13,11 +13,12 @@ whatever else runs in this process may have children of its own), polling with W
 a few times a second while any runs. A status is kept in the session's record at once (so
 it survives a restart, escrowd.statefile), or in its tombstone if the session has ended.
 
-A program a stopped holder started is no child of this one: it cannot be waited for. It is
-watched until its pid is gone (a zombie is not gone: its parent has yet to reap it, and a
-pid now another process's start time is), then the status the keeper kept when it reaped
-the orphan (escrowd.orphans) is believed if it names that pid and start time; if there is
-none, nobody can know, and the status is "unknown", never a guess.
+A program a stopped holder started is no child of this one: it is never waited for (its
+pid, once gone, may be one of this holder's own programs). It is watched until its pid is
+gone (a zombie is not gone: its parent has yet to reap it, and a pid now another process's
+start time is), then the status the keeper kept when it reaped the orphan
+(escrowd.orphans) is believed if it names that pid and start time; if there is none,
+nobody can know, and the status is "unknown", never a guess.
 
 `wait` answers once a session's program has ended (`ending`), or at once if it has.
 """
@@ -30,13 +31,13 @@ import signal
 import stat
 import subprocess
 import termios
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from escrow_client import processes, protocol
-from escrow_client.liveness import process_start_time
 
 from . import orphans
 from .fdlimit import FD_EXHAUSTION, OUT_OF_FDS
@@ -62,6 +63,7 @@ class _Watched:
 def spawn(request: protocol.Start) -> tuple[int, subprocess.Popen[bytes]]:
     """Start `request.argv` on a new PTY as described above: the master and the process.
     RegistryError with the code to answer if it cannot be started (nothing left open)."""
+    _check_strings(request)
     if not os.path.isabs(request.cwd):
         raise RegistryError("bad_request", f"cwd {request.cwd!r} is not an absolute path")
     try:
@@ -80,6 +82,9 @@ def spawn(request: protocol.Start) -> tuple[int, subprocess.Popen[bytes]]:
             termios.tcsetwinsize(slave, (request.rows, request.cols))
         if request.modes is not None:
             _set_modes(slave, request.modes)
+        if threading.active_count() != 1:  # preexec_fn is fork-safe in one thread only
+            log("internal_error", where="programs", threads=threading.active_count(),
+                error="a program is forked with preexec_fn while other threads run")
         child = subprocess.Popen(
             request.argv, stdin=slave, stdout=slave, stderr=slave, cwd=request.cwd,
             env=request.env, close_fds=True, start_new_session=True,
@@ -95,9 +100,28 @@ def spawn(request: protocol.Start) -> tuple[int, subprocess.Popen[bytes]]:
             raise RegistryError("cwd_gone", f"cwd {request.cwd}: {exc.strerror}") from None
         raise RegistryError("exec_failed", f"cannot run {request.argv[0]}: "
                             f"{exc.strerror or exc}") from None
+    except subprocess.SubprocessError as exc:  # _in_child failed: nothing was exec'd
+        os.close(master)
+        raise RegistryError("exec_failed", f"cannot run {request.argv[0]}: {exc}") from None
+    except BaseException:
+        os.close(master)
+        raise
     finally:
         os.close(slave)
     return master, child
+
+
+def _check_strings(request: protocol.Start) -> None:
+    """bad_request for what no exec can take: a NUL in cwd, argv or env, a "=" or nothing
+    as a variable's name (os.stat and subprocess would raise ValueError, not OSError)."""
+    if "\0" in request.cwd:
+        raise RegistryError("bad_request", "cwd has a NUL in it")
+    if any("\0" in arg for arg in request.argv):
+        raise RegistryError("bad_request", "an argument has a NUL in it")
+    for name, value in request.env.items():
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise RegistryError("bad_request", f"environment variable {name!r} cannot be "
+                                "passed on (a NUL, or a name empty or with a \"=\")")
 
 
 def _set_modes(fd: int, modes: protocol.Modes) -> None:
@@ -128,23 +152,30 @@ class Programs:
     def __init__(self, registry: Registry, exits_dir: str | None) -> None:
         self.registry = registry
         self.exits_dir = exits_dir  # where the keeper keeps orphans' statuses
-        self._watched: dict[int, _Watched] = {}
+        # A list, not a map by pid: an adopted program's pid, once gone, may be reused by a
+        # program this holder starts, and each is watched until its own end.
+        self._watched: list[_Watched] = []
         self._ended: dict[Key, trio.Event] = {}
         self._more = trio.Event()
 
     def track(self, session: Session, child: subprocess.Popen[bytes]) -> None:
-        """Watch the program this holder just started for `session`."""
-        start_time = process_start_time(child.pid)
-        session.started, session.child_start_time = True, start_time
-        self._watched[child.pid] = _Watched(session.key, child.pid, start_time, child)
+        """Watch the program this holder just started for `session` (recorded as started,
+        with its start time, from its first record)."""
+        self._watched.append(_Watched(session.key, child.pid, session.child_start_time,
+                                      child))
+        if self.exits_dir is not None and session.child_start_time is not None:
+            try:
+                orphans.mark(self.exits_dir, child.pid, session.child_start_time)
+            except OSError as exc:  # its status is lost only if the holder dies first
+                log("program_unmarked", session=session.name, pid=child.pid, error=repr(exc))
         self._more.set()
 
     def adopt(self, sessions: list[Session]) -> None:
         """Watch the programs of adopted sessions that had not ended."""
         for session in sessions:
             if session.started and session.exit_status is None and session.child_pid:
-                self._watched[session.child_pid] = _Watched(
-                    session.key, session.child_pid, session.child_start_time, None)
+                self._watched.append(_Watched(session.key, session.child_pid,
+                                              session.child_start_time, None))
         self._more.set()
 
     async def run(self) -> None:
@@ -154,14 +185,15 @@ class Programs:
                 await self._more.wait()
                 self._more = trio.Event()
                 continue
-            for watched in list(self._watched.values()):
+            for watched in list(self._watched):
                 try:
                     ending = self._ending(watched)
                 except Exception as exc:  # one program's trouble is its own
                     log("internal_error", where="programs", pid=watched.pid, error=repr(exc))
                     continue
                 if ending is not None:
-                    del self._watched[watched.pid]
+                    self._watched.remove(watched)
+                    orphans.unmark(self.exits_dir, watched.pid, watched.start_time)
                     self._record(watched, ending)
             await trio.sleep(_POLL)
 
@@ -189,12 +221,8 @@ class Programs:
         if watched.child is not None:
             code = watched.child.poll()
             return None if code is None else _status(code)
-        try:
-            waited, status = os.waitpid(watched.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass  # not ours: the keeper (or whoever reaps orphans here) has it
-        else:
-            return None if waited == 0 else _status(os.waitstatus_to_exitcode(status))
+        # Adopted: never waited for (no child of this process; its pid may be one now, of
+        # another program), only looked at by pid and start time.
         try:
             _, created = processes.process_state(watched.pid)
         except processes.NoSuchProcess:

@@ -168,15 +168,19 @@ async def start(holder: Answerer, conn: Connection, request: protocol.Start) -> 
             reason=str(exc))
         await conn.send_error(exc.code, str(exc), request.id)
         return True
+    except BaseException:  # (spawn closed the master it made)
+        if ring is not None:
+            ring.release()
+        raise
     deposit = protocol.Deposit(id=request.id, label=request.label, child_pid=child.pid,
                                cols=request.cols, rows=request.rows, meta=request.meta)
     try:
         terminal = terminal_identity(master)
     except OSError:  # out of fds, say: it cannot be told apart now (never a crash)
         terminal = None
-    session = Session(conn.owner, deposit, master, ring, None, None, None, terminal,
-                      conn.client, holder.instance, None, holder.store,
-                      holder.registry.private_dir)
+    session = Session(conn.owner, deposit, master, ring, None, None,
+                      process_start_time(child.pid), terminal, conn.client, holder.instance,
+                      None, holder.store, holder.registry.private_dir, started=True)
     holder.programs.track(session, child)  # from here on, its ending is recorded
     holder.registry.add(session)
     session.storing = True

@@ -61,9 +61,12 @@ class Session:
         custodian_start_time: float | None = None,
         store: FdStore | None = None,
         private_dir: str | None = None,
+        started: bool = False,
     ) -> None:
         now = time.time()
-        record = Record(token=uuid.uuid4().hex, owner=owner, id=deposit.id,
+        # `started` is in the very first record: one adopted after a crash is never taken
+        # for an app's (escrowd.programs).
+        record = Record(token=uuid.uuid4().hex, owner=owner, id=deposit.id, started=started,
                         label=deposit.label, child_pid=deposit.child_pid,
                         child_start_time=child_start_time, cols=deposit.cols,
                         rows=deposit.rows, meta=deposit.meta, deposited_at=now,

@@ -131,7 +131,7 @@ def test_list_shows_deposited_sessions(holder: HolderProcess, pty_children) -> N
 
 def test_list_says_what_can_be_attached(holder: HolderProcess, pty_children) -> None:
     """`escrowctl attach` takes a draining or exited session; a held one is named with the
-    process that holds it."""
+    process that holds it. An exited session is live: listed without --all."""
     deposit(holder, pty_children, "t-draining")
     exited = pty_children(["sh", "-c", "echo bye"])
     exited.read_available(until=b"bye")
@@ -141,7 +141,7 @@ def test_list_says_what_can_be_attached(holder: HolderProcess, pty_children) -> 
     held = pty_children(["sh", "-c", "exec sleep 60"])
     with holder.client().custody() as custody:
         custody.deposit("t-held", held.master, child_pid=held.pid)
-        result = escrowctl(holder.socket, "list", "--all")
+        result = escrowctl(holder.socket, "list")
         custody.release("t-held")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
 def ended(args: argparse.Namespace, owner: str, sid: str, ending: attach.Ending) -> int:
     """Say how the attachment ended; the exit status. A detach is 0; the program's end is
-    its status for `run`, 0 for `attach` (which cannot know it)."""
+    its status for `run` (125 if nobody can know it, 1 if it could not be asked, as for
+    `escrowctl wait`), 0 for `attach` (which cannot know it)."""
     if ending.detached and ending.stalled:
         return 0  # a terminal that takes no output would block any word to it
     if ending.detached:
@@ -53,6 +54,16 @@ def ended(args: argparse.Namespace, owner: str, sid: str, ending: attach.Ending)
         _tell(f"\nescrowctl: detached from {owner}/{sid} ({ending.why}); attach again with: "
               f"{again}")
         return 0
+    if ending.unknown:
+        from .wait import UNKNOWN_STATUS
+
+        _tell(f"escrowctl: {owner}/{sid} has ended ({ending.why}), but how is unknown: it "
+              "was orphaned where no keeper could keep its status")
+        return UNKNOWN_STATUS
+    if ending.wait_failed is not None:
+        _tell(f"escrowctl: {owner}/{sid} has ended ({ending.why}), but its status could not "
+              f"be asked: {ending.wait_failed}")
+        return 1
     if ending.status is None:
         _tell(f"escrowctl: {owner}/{sid} has ended ({ending.why}); the holder released it")
         return 0

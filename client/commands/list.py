@@ -1,5 +1,6 @@
 """`escrowctl list`: the escrowed sessions, every owner's (or one owner's), as a table or
-as JSON; the live ones, or with `--all` the ended ones too (exited, and the tombstones).
+as JSON; the live ones (exited ones too: their output is buffered, and they can be
+attached), or with `--all` the tombstones too (released, handed_off, expired).
 EXIT says how a program the holder started ended; the last column whether `escrowctl
 attach` can take a session now, and if not, who has it."""
 
@@ -12,20 +13,17 @@ from collections.abc import Sequence
 import msgspec
 
 from .. import liveness
-from ..protocol import SessionInfo
+from ..protocol import LIVE_STATES, SessionInfo
 from .arguments import admin, client
 from .text import ALIVE, duration, print_json, size
-
-# What `list` shows without --all: sessions whose program may still run, or be attached.
-_RUNNING = frozenset({"held", "draining", "handing_off"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--owner", metavar="OWNER",
                    help="only this owner's sessions (default: every owner's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of sessions")
-    p.add_argument("--all", action="store_true", help="the ended sessions too: exited, "
-                   "released, handed_off, expired")
+    p.add_argument("--all", action="store_true", help="the tombstones too: sessions "
+                   "released, handed_off or expired lately")
     p.set_defaults(func=run)
 
 
@@ -35,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sessions = client(args, args.owner).list()
     if not args.all:
-        sessions = [s for s in sessions if s.state in _RUNNING]
+        sessions = [s for s in sessions if s.state in LIVE_STATES]
     if args.json:
         print_json([msgspec.to_builtins(s) for s in sessions])
     elif not sessions:

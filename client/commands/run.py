@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the detach key: the program runs on, the holder drains its output, and `escrowctl "
         "attach OWNER/ID` picks it up from any terminal. When the program ends while "
         "attached, escrowctl exits with its status (128+N for signal N).",
+        epilog="exit status: the program's when it ends while attached (128+N for signal "
+        "N); 0 on a detach; 125 if the program ended but nobody can know how (it was "
+        "orphaned where no keeper could keep its status); 1 if its status could not be "
+        "asked of the holder; 126 or 127 as a shell says it if the command cannot run.",
     )
     p.add_argument("--owner", type=name, default=ADMIN_OWNER,
                    help=f"the session's owner (default {ADMIN_OWNER})")
