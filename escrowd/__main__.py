@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-exit", type=float, default=d.idle_exit, metavar="SECONDS",
                    help="exit after this long with no sessions and no connections (0: never; "
                    f"default {d.idle_exit:g})")
+    p.add_argument("--ready-deadline", type=float, default=d.ready_deadline, metavar="SECONDS",
+                   help="the keeper kills a holder it started that is not ready after this "
+                   f"long, as frozen, and starts another (default {d.ready_deadline:g})")
     return p
 
 
@@ -105,8 +108,10 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Config
         idle_timeout=args.idle_timeout,
         unclaimed_ttl=args.unclaimed_ttl,
         idle_exit=args.idle_exit,
+        ready_deadline=args.ready_deadline,
     )
-    for name in ("drain_stop_budget", "send_deadline", "ack_deadline", "idle_timeout"):
+    for name in ("drain_stop_budget", "send_deadline", "ack_deadline", "idle_timeout",
+                 "ready_deadline"):
         if getattr(config, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     for name in ("max_sessions", "max_connections", "max_request_bytes",

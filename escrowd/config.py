@@ -31,6 +31,9 @@ class Config:
     max_tombstones: int = 10_000
     unclaimed_ttl: float = 86_400.0  # 0 disables
     idle_exit: float = 0.0  # 0 disables
+    # The keeper: how long a holder it started may take to say READY (adopting many sessions
+    # on a slow machine takes seconds) before it is killed as frozen.
+    ready_deadline: float = 30.0
 
     def limits(self) -> dict[str, int]:
         """The integer limits, as reported in `welcome` and `holder_status`."""

@@ -81,12 +81,13 @@ STOP_GRACE = 20.0  # a stopping holder gets this long before SIGKILL
 # machine can be ten times slower; a holder frozen (SIGSTOP, a freezer) would otherwise hang the
 # escrow for good, every connection waiting in the backlog. The watchdog's figure too: a
 # ready holder whose loop stalls this long is killed just the same.
-READY_DEADLINE = 30.0
 _BACKOFF_FIRST, _BACKOFF_MAX, _STABLE = 0.1, 5.0, 10.0
 _RESTARTS_AT_ONCE = 10  # within _STABLE seconds: more than this is a crash loop
 _OWN_FDS = 64  # what the keeper needs for itself, beyond the fds it stores
 # Where orphans' statuses are kept, once `main` made the keeper their subreaper (Linux).
 _orphans_dir: str | None = None
+# How long a holder may take to be ready (escrowd --ready-deadline), set by `main`.
+_ready_deadline = Config(socket_path="").ready_deadline
 
 
 def main(config: Config, argv: list[str]) -> int:
@@ -108,7 +109,8 @@ def main(config: Config, argv: list[str]) -> int:
         listener = bind_socket(socket_path)
         log("keeper", pid=os.getpid(), socket=socket_path)
         # The holder is told the socket's absolute path: it starts in `/`, not here.
-        global _orphans_dir
+        global _orphans_dir, _ready_deadline
+        _ready_deadline = config.ready_deadline
         _orphans_dir = orphans.exits_dir(socket_path) if become_subreaper() else None
         return Keeper(listener, [*argv, "--socket", socket_path]).run()
     except StartupError as exc:
@@ -269,7 +271,7 @@ class Keeper:
         self.channel = mine
         self.poller.register(mine, select.POLLIN)
         self.holder, self.holder_started, self.last_ping = pid, time.monotonic(), None
-        self.ready_by = self.holder_started + READY_DEADLINE
+        self.ready_by = self.holder_started + _ready_deadline
         log("keeper_started_holder", holder_pid=pid, stored_fds=len(fds) - 2,
             via="standby" if self.from_standby else "exec")
 
@@ -373,7 +375,7 @@ class Keeper:
             _kill(self.holder, "watchdog: no ping")
             self.last_ping = None
         elif self.ready_by is not None and now >= self.ready_by:
-            _kill(self.holder, f"not ready {READY_DEADLINE:g} s after its start (frozen?)")
+            _kill(self.holder, f"not ready {_ready_deadline:g} s after its start (frozen?)")
             self.ready_by = None
 
     # --- the holder's notifications (escrowd.notify) -----------------------------------------

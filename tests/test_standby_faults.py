@@ -105,7 +105,8 @@ def test_a_holder_frozen_before_ready_is_killed_and_the_next_serves(
     deadline to be READY is out, and the next one serves the session. Before, the keeper
     watched a holder only once it was ready, and the escrow hung for good."""
     freezer = Freezer(tmp_path / "installed", "LISTEN_FDS")
-    holder = make_holder(keeper=True, python=str(freezer.python))
+    # A shorter deadline to be ready than the default 30 s, still ample for a holder here.
+    holder = make_holder("--ready-deadline", "6", keeper=True, python=str(freezer.python))
     first = drained(holder, pty_children, "tab")
     os.kill(ready_standby(holder), signal.SIGSTOP)
     freezer.arm()
